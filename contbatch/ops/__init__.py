@@ -1,0 +1,48 @@
+"""Cache and attention ops: the compiled ``contbatch._C`` kernels when built, else the reference.
+
+The compiled extension registers ``torch.ops.contbatch.{reshape_and_cache,
+paged_attention, copy_blocks}`` with the same signatures and semantics as
+:mod:`contbatch.ops.reference`.
+"""
+
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from contbatch.ops import reference
+
+logger = logging.getLogger(__name__)
+
+
+def _load_native() -> ModuleType | None:
+    if os.environ.get("CONTBATCH_FORCE_REFERENCE_OPS") == "1":
+        return None
+    try:
+        from contbatch import _C  # noqa: F401  (importing registers the ops)
+    except ImportError as exc:
+        logger.warning(
+            "contbatch C++ extension not built (%s); using the slower PyTorch reference ops. "
+            "Build it with `pip install -e . --no-build-isolation`.",
+            exc,
+        )
+        return None
+    return torch.ops.contbatch
+
+
+_native = _load_native()
+
+BACKEND: str = "native" if _native is not None else "reference"
+"""Which implementation the engine runs: "native" (csrc/) or "reference" (PyTorch)."""
+
+if _native is not None:
+    reshape_and_cache = _native.reshape_and_cache
+    paged_attention = _native.paged_attention
+    copy_blocks = _native.copy_blocks
+else:
+    reshape_and_cache = reference.reshape_and_cache
+    paged_attention = reference.paged_attention
+    copy_blocks = reference.copy_blocks
+
+__all__ = ["BACKEND", "reshape_and_cache", "paged_attention", "copy_blocks", "reference"]

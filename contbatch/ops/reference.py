@@ -1,0 +1,106 @@
+"""Pure-PyTorch reference of every cache/attention op.
+
+These define the semantics the compiled kernels in ``csrc/`` must match, and
+serve as the fallback when the extension is not built.
+
+Cache layout (shared with csrc/ and docs/kv_cache_layout.md):
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
+    A token's *slot* is ``block_id * block_size + offset_in_block``.
+
+Varlen batch layout:
+    query:           [num_tokens, num_heads, head_size]   tokens of all sequences, flattened
+    query_start_loc: [num_seqs + 1] int32, cumulative query lengths (cu_seqlens_q)
+    seq_lens:        [num_seqs] int32, total context length of each sequence
+                     *including* this step's query tokens (already written to the cache)
+    block_tables:    [num_seqs, max_blocks_per_seq] int32, physical block ids
+    Query token i of a sequence with q_len queries and context seq_len sits at
+    position seq_len - q_len + i and attends keys at positions
+    max(0, pos - sliding_window + 1) .. pos (sliding_window <= 0 means no window).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_size] into their cache slots.
+
+    Tokens whose slot is negative are skipped (padding or already cached)."""
+    block_size = key_cache.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    # Advanced indexing on dims 0 and 2 puts the token dim first: [T, kv_heads, head].
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+) -> None:
+    """Causal attention of a varlen batch over the paged cache, written into ``out``.
+
+    Accumulates in fp32; ``out`` has the query's dtype and shape."""
+    block_size = key_cache.shape[2]
+    q_starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for seq, seq_len in enumerate(lens):
+        q_begin, q_end = q_starts[seq], q_starts[seq + 1]
+        if q_end == q_begin:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[seq, :num_blocks].long()
+        keys = _gather_sequence(key_cache, blocks, seq_len)
+        values = _gather_sequence(value_cache, blocks, seq_len)
+        q = query[q_begin:q_end].transpose(0, 1).float()  # [heads, q_len, head]
+        mask = _causal_mask(q_end - q_begin, seq_len, sliding_window, q.device)
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[q_begin:q_end] = attn.transpose(0, 1).to(out.dtype)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole blocks ``src -> dst`` (block_mapping: [n, 2] int64) in every layer."""
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    for cache in (*key_caches, *value_caches):
+        cache[dst] = cache[src]
+
+
+def _gather_sequence(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_kv_heads, seq_len, head_size] in fp32 from the sequence's blocks."""
+    gathered = cache[blocks]  # [n_blocks, kv_heads, block_size, head]
+    kv_heads, head_size = cache.shape[1], cache.shape[3]
+    gathered = gathered.transpose(0, 1).reshape(kv_heads, -1, head_size)
+    return gathered[:, :seq_len].float()
+
+
+def _causal_mask(q_len: int, seq_len: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
