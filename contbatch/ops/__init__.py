@@ -5,6 +5,7 @@ paged_attention, copy_blocks}`` with the same signatures and semantics as
 :mod:`contbatch.ops.reference`.
 """
 
+import importlib
 import logging
 import os
 from types import ModuleType
@@ -20,7 +21,7 @@ def _load_native() -> ModuleType | None:
     if os.environ.get("CONTBATCH_FORCE_REFERENCE_OPS") == "1":
         return None
     try:
-        from contbatch import _C  # noqa: F401  (importing registers the ops)
+        importlib.import_module("contbatch._C")  # importing registers the ops
     except ImportError as exc:
         logger.warning(
             "contbatch C++ extension not built (%s); using the slower PyTorch reference ops. "

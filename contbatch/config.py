@@ -1,0 +1,116 @@
+"""EngineConfig: every engine knob in one validated dataclass."""
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Values of None are filled in from the model and the machine.
+
+    Attributes:
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: longest prompt + completion; defaults to the model's context length.
+        block_size: tokens per KV-cache block.
+        kv_cache_memory: bytes for the KV cache; default sized from available RAM.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        seed: seeds the sampler for requests without their own seed.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("block_size", self.block_size)
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+        if self.kv_cache_memory is not None:
+            _check_positive("kv_cache_memory", self.kv_cache_memory)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" picks CUDA when a GPU is visible, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA GPU is available to this torch build")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 where the hardware does bf16 natively, else fp32 (CPU) or fp16 (old GPUs)."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+        resolved = _DTYPES[dtype]
+    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
+        resolved = dtype
+    else:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+    if resolved is None:
+        return _auto_dtype(device)
+    if resolved == torch.float16 and device.type == "cpu":
+        raise ValueError(
+            "dtype=float16 is refused on CPU: CPU fp16 matmuls are ~300x slower than bf16. "
+            "Use dtype='bfloat16' (or 'auto') or 'float32'."
+        )
+    return resolved
+
+
+def _auto_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls beat fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _cpu_flags_have_bf16()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _cpu_flags_have_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")

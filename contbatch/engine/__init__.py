@@ -1,0 +1,1 @@
+"""The engine: requests -> scheduler (+ block manager) -> model runner -> outputs."""

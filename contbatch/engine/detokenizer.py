@@ -1,0 +1,50 @@
+"""Incremental detokenisation that never splits a multi-byte character.
+
+Each new token decodes a short window of recent tokens twice: without and with the
+new token. The difference is the new text. While the window ends in an incomplete
+UTF-8 sequence (decoded as U+FFFD) nothing is emitted and the window grows, so a
+character split across byte-level tokens appears whole once its last byte arrives.
+Decoding a window rather than one token keeps tokenizer-specific joining (leading
+spaces, byte fallback) identical to decoding the whole sequence.
+"""
+
+from transformers import PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0  # window start: context so the next token decodes as in the full text
+        self.read_offset = 0  # tokens before this are already in self.text
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.text += delta
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is left, incomplete characters included."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.text += delta
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

