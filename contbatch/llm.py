@@ -69,7 +69,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, resolved_device)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size)
-        self._next_request_id = 0
+        self._running = False
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -84,7 +84,8 @@ class LLM:
 
         Args:
             prompts: a str, a list of str, a list of token-id lists, dicts with
-                "prompt" or "prompt_token_ids", or any iterable of these. A list is
+                "prompt" or "prompt_token_ids" (and optionally their own
+                "sampling_params"), or any iterable of these. A list is
                 validated whole before any work (one ValueError lists every bad
                 index); other iterables are read lazily as the engine has room, and
                 a bad item there gets a RequestOutput with ``error`` set instead.
@@ -92,54 +93,75 @@ class LLM:
                 per prompt. Default: SamplingParams().
             use_tqdm: show a progress bar with input and output tokens per second.
         """
+        outputs = list(self.iter_generate(prompts, sampling_params, use_tqdm))
+        outputs.sort(key=lambda output: int(output.request_id))
+        return outputs
+
+    def iter_generate(
+        self,
+        prompts: object,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> Iterator[RequestOutput]:
+        """Like generate(), but yields each RequestOutput the moment its request finishes.
+
+        Outputs arrive in completion order; ``request_id`` is the prompt's position in
+        the input (as a string). Nothing is kept for finished requests, so memory stays
+        flat however many prompts stream through. Closing the iterator early aborts
+        the unfinished requests.
+        """
         items, materialised = as_prompt_iterable(prompts)
         total = len(items) if materialised else None
         if total == 0:
             raise ValueError("prompts is empty: give at least one prompt")
         params = _params_iterator(sampling_params, total)
         source: Iterable = self.preparer.prepare_all(items) if materialised else items
-        outputs: dict[int, RequestOutput] = {}
-        start_id = self._next_request_id
-        with _Progress(total, use_tqdm) as progress:
-            for output in self._run(source, params, materialised):
-                outputs[int(output.request_id) - start_id] = output
-                progress.update(output)
-        return [outputs[i] for i in range(len(outputs))]
+        return self._run(source, params, materialised, _Progress(total, use_tqdm))
 
-    def _run(self, source: Iterable, params: Iterator[SamplingParams], prepared: bool) -> Iterator[RequestOutput]:
+    def _run(
+        self, source: Iterable, params: Iterator[SamplingParams], prepared: bool, progress: "_Progress"
+    ) -> Iterator[RequestOutput]:
         engine = self.engine
-        pending = iter(source)
+        if self._running:
+            raise RuntimeError("this LLM is already running a generate/iter_generate call; finish or close it first")
+        self._running = True
+        pending = enumerate(source)
         exhausted = False
-        while True:
-            while not exhausted and engine.num_waiting < engine.config.max_num_seqs:
-                item = next(pending, _END)
-                if item is _END:
-                    exhausted = True
-                    break
-                failed = self._admit(item, next(params, None), prepared)
-                if failed is not None:
-                    yield failed
-            if not engine.has_unfinished():
-                if exhausted:
-                    return
-                continue
-            yield from engine.step()
+        try:
+            while True:
+                while not exhausted and engine.num_waiting < engine.config.max_num_seqs:
+                    position, item = next(pending, (None, None))
+                    if position is None:
+                        exhausted = True
+                        break
+                    failed = self._admit(position, item, next(params, None), prepared)
+                    if failed is not None:
+                        progress.update(failed)
+                        yield failed
+                if not engine.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+                for output in engine.step():
+                    progress.update(output)
+                    yield output
+        finally:
+            engine.abort_all()
+            progress.close()
+            self._running = False
 
-    def _admit(self, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
+    def _admit(self, position: int, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
         """Queue one prompt; a prompt that cannot run gets an error output instead."""
-        request_id = self._next_request_id
-        self._next_request_id += 1
-        if params is None:
-            return _error_output(request_id, item, "sampling_params list is shorter than the prompts")
         try:
             prompt: PreparedPrompt = item if prepared else self.preparer.prepare(item)
         except (TypeError, ValueError) as exc:
-            return _error_output(request_id, item, str(exc))
-        self.engine.add_request(request_id, prompt.text, prompt.token_ids, params)
+            return _error_output(position, item, str(exc))
+        params = prompt.params or params
+        if params is None:
+            return _error_output(position, item, "sampling_params list is shorter than the prompts")
+        self.engine.add_request(position, prompt.text, prompt.token_ids, params)
         return None
 
-
-_END = object()
 
 
 def _params_iterator(sampling_params: object, total: int | None) -> Iterator[SamplingParams]:
@@ -181,10 +203,7 @@ class _Progress:
         self.input_tokens = 0
         self.output_tokens = 0
 
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self.bar.close()
 
     def update(self, output: RequestOutput) -> None:

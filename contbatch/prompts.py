@@ -1,13 +1,16 @@
 """Turning what users pass as prompts into validated token ids.
 
 Accepted prompt forms: a string, a list of token ids, or a dict with "prompt" or
-"prompt_token_ids" (vLLM's TextPrompt / TokensPrompt).
+"prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), optionally with a
+"sampling_params" entry that overrides the call's SamplingParams for that prompt.
 """
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
+
+from contbatch.sampling_params import SamplingParams
 
 MAX_LISTED_ERRORS = 20
 
@@ -16,6 +19,7 @@ MAX_LISTED_ERRORS = 20
 class PreparedPrompt:
     text: str | None
     token_ids: list[int]
+    params: SamplingParams | None = None  # the prompt's own override, if it carried one
 
 
 class PromptPreparer:
@@ -42,7 +46,7 @@ class PromptPreparer:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} allows at most "
                 f"{self.max_model_len - 1} (one position must remain for generated tokens)"
             )
-        return PreparedPrompt(text, list(token_ids))
+        return PreparedPrompt(text, list(token_ids), _own_params(prompt))
 
     def prepare_all(self, prompts: Sequence) -> list[PreparedPrompt]:
         """Validate a whole list before any work: one ValueError lists every offending index."""
@@ -84,6 +88,15 @@ def as_prompt_iterable(prompts: object) -> tuple[Iterable, bool]:
     if isinstance(prompts, Iterable):
         return prompts, False
     raise TypeError(f"prompts must be a str, a list of prompts or an iterable, got {type(prompts).__name__}")
+
+
+def _own_params(prompt: object) -> SamplingParams | None:
+    if not isinstance(prompt, dict) or prompt.get("sampling_params") is None:
+        return None
+    params = prompt["sampling_params"]
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"a prompt's 'sampling_params' must be a SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def _text(value: object) -> str:

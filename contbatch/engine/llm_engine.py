@@ -54,6 +54,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its blocks (the engine is then idle)."""
+        self.scheduler.abort_all()
+        self.detokenizers.clear()
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

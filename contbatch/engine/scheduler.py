@@ -66,6 +66,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> None:
+        for request in self.running:
+            self.block_manager.free(request)
+        self.running.clear()
+        self.waiting.clear()
+
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.max_num_batched_tokens)

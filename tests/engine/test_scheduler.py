@@ -1,0 +1,169 @@
+"""Scheduler + block manager under random workloads, driven by a fake model runner.
+
+The fake runner plays the KV cache: it writes (token, position) into every slot the
+step assigns and checks that each scheduled sequence's block table maps all of its
+context positions to its own tokens. So any bookkeeping error (a leaked, shared,
+evicted or mis-hashed block) shows up as a sequence attending to wrong K/V.
+"""
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+
+from contbatch.engine.block_manager import BlockManager
+from contbatch.engine.request import Request
+from contbatch.engine.scheduler import Scheduler, SchedulerOutput
+from contbatch.sampling_params import SamplingParams
+
+EOS = 2
+VOCAB = 50
+
+
+class FakeRunner:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, int]] = {}
+
+    def execute(self, step: SchedulerOutput) -> dict[int, int]:
+        sampled = {}
+        for item in step.scheduled:
+            request = item.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+            assert len(request.block_ids) * self.block_size >= end, "too few blocks for the step's tokens"
+            for position in range(start, end):
+                self.slots[self._slot(request, position)] = (request.token_ids[position], position)
+            for position in range(end):
+                assert self.slots.get(self._slot(request, position)) == (request.token_ids[position], position), (
+                    f"request {request.request_id} would attend to wrong K/V at position {position}"
+                )
+            if item.samples:
+                sampled[request.request_id] = _next_token(request)
+        return sampled
+
+    def _slot(self, request: Request, position: int) -> int:
+        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def _next_token(request: Request) -> int:
+    """Deterministic per request and length, with EOS now and then."""
+    return (request.request_id * 31 + request.num_tokens * 17) % VOCAB
+
+
+def _prompts(draw, count: int) -> list[list[int]]:
+    """Prompts that often share prefixes, so the prefix cache gets hits."""
+    stems = draw(st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=0, max_size=40), min_size=1, max_size=3))
+    prompts = []
+    for _ in range(count):
+        stem = draw(st.sampled_from(stems))
+        tail = draw(st.lists(st.integers(3, VOCAB - 1), min_size=1 if not stem else 0, max_size=30))
+        prompts.append(stem + tail or [5])
+    return prompts
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    max_model_len = draw(st.integers(80, 160))
+    blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = draw(st.integers(blocks_per_seq, blocks_per_seq * 4))
+    count = draw(st.integers(1, 24))
+    return dict(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=draw(st.integers(1, 8)),
+        budget=draw(st.integers(1, 64)),
+        prefix_caching=draw(st.booleans()),
+        prompts=_prompts(draw, count),
+        max_tokens=[draw(st.integers(1, 40)) for _ in range(count)],
+        ignore_eos=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
+    manager = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"])
+    scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
+    runner = FakeRunner(w["block_size"])
+    requests = []
+    for index, (prompt, max_tokens) in enumerate(zip(w["prompts"], w["max_tokens"])):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=w["ignore_eos"])
+        request = Request(index, None, prompt, params, frozenset({EOS}))
+        requests.append(request)
+        scheduler.add_request(request)
+
+    finished: list[int] = []
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            break
+        step = scheduler.schedule()
+        assert not step.is_empty, "no progress with requests waiting"
+        assert step.num_batched_tokens <= w["budget"]
+        assert len(step.scheduled) <= w["max_num_seqs"]
+        assert len({id(s.request) for s in step.scheduled}) == len(step.scheduled)
+        finished.extend(r.request_id for r in scheduler.update(step, runner.execute(step)))
+        _check_block_invariants(manager, scheduler.running)
+    assert not scheduler.has_unfinished()
+
+    assert sorted(finished) == list(range(len(requests))), "every request finishes exactly once"
+    for request in requests:
+        _check_stopping(request, w["max_model_len"])
+    assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+    assert all(count == 0 for count in manager.ref_counts)
+
+
+def _check_stopping(request: Request, max_model_len: int) -> None:
+    outputs = request.output_token_ids
+    assert len(outputs) >= 1
+    expected_length = min(request.params.max_tokens, max_model_len - request.num_prompt_tokens)
+    if request.finish_reason == "stop":
+        assert outputs[-1] == EOS and EOS not in outputs[:-1] and not request.params.ignore_eos
+    else:
+        assert request.finish_reason == "length"
+        assert len(outputs) == expected_length
+        assert request.params.ignore_eos or EOS not in outputs
+
+
+def _check_block_invariants(manager: BlockManager, running: list[Request]) -> None:
+    holders = [0] * manager.num_blocks
+    for request in running:
+        for block in request.block_ids:
+            holders[block] += 1
+    assert holders == manager.ref_counts, "reference counts differ from the blocks requests hold"
+    assert set(manager.free_blocks) == {b for b, count in enumerate(manager.ref_counts) if count == 0}
+    for block_hash, block in manager.hash_to_block.items():
+        assert manager.block_hash[block] == block_hash
+
+
+def test_prefix_cache_hit_is_capped_below_prompt_length():
+    """A fully cached prompt still computes its last token (it needs logits)."""
+    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    runner = FakeRunner(4)
+    prompt = list(range(3, 11))  # exactly two full blocks
+    first = Request(0, None, prompt, SamplingParams(temperature=0, max_tokens=1), frozenset())
+    scheduler.add_request(first)
+    step = scheduler.schedule()
+    scheduler.update(step, runner.execute(step))
+    second = Request(1, None, list(prompt), SamplingParams(temperature=0, max_tokens=1), frozenset())
+    scheduler.add_request(second)
+    step = scheduler.schedule()
+    assert second.num_computed_tokens == 4, "one block reused, the last block recomputed"
+    assert step.scheduled[0].num_new_tokens == 4
+    assert manager.num_cache_hits == 4
+
+
+def test_preemption_frees_newest_and_recomputes():
+    manager = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16)
+    runner = FakeRunner(4)
+    requests = [Request(i, None, [5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), frozenset()) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    finished = []
+    while scheduler.has_unfinished():
+        step = scheduler.schedule()
+        finished += scheduler.update(step, runner.execute(step))
+    assert scheduler.num_preemptions > 0
+    assert sorted(r.request_id for r in finished) == [0, 1, 2]
+    assert all(len(r.output_token_ids) == 12 for r in requests)

@@ -1,0 +1,135 @@
+"""Bad input gets a clear error naming the problem, before any work; one bad prompt in a
+lazy stream fails alone."""
+
+import json
+import shutil
+
+import pytest
+
+from contbatch import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(tiny_model_dirs["llama"], dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def text_llm(smollm_dir):
+    return LLM(smollm_dir, dtype="float32", max_model_len=64, max_num_seqs=4)
+
+
+def test_empty_prompt_list(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([])
+
+
+def test_empty_prompts_listed_by_index_before_any_work(text_llm):
+    steps_before = text_llm.engine.num_steps
+    with pytest.raises(ValueError) as info:
+        text_llm.generate(["fine", "", "also fine", ""], SamplingParams(max_tokens=2))
+    message = str(info.value)
+    assert "prompts[1]" in message and "prompts[3]" in message and "empty" in message
+    assert "prompts[0]" not in message
+    assert text_llm.engine.num_steps == steps_before, "work started despite invalid input"
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\].*max_model_len=64"):
+        llm.generate([[5, 6], list(range(3, 70))])
+
+
+def test_token_ids_outside_vocabulary(llm):
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[5, 100_000]])
+
+
+def test_wrong_prompt_type(llm):
+    with pytest.raises(ValueError, match="prompts\\[0\\].*str, a list of token ids or a dict"):
+        llm.generate([3.5])
+
+
+def test_text_prompt_without_tokenizer(llm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["hello"])
+
+
+def test_sampling_params_count_mismatch(llm):
+    with pytest.raises(ValueError, match="2 entries but there are 3 prompts"):
+        llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()])
+
+
+def test_sampling_params_wrong_type(llm):
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate([[5]], {"temperature": 0})
+
+
+def test_bad_prompt_in_lazy_stream_fails_alone(llm):
+    prompts = iter([[5, 6, 7], [], list(range(3, 80)), [8, 9]])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert [o.error is None for o in outputs] == [True, False, False, True]
+    assert "no tokens" in outputs[1].error and "max_model_len" in outputs[2].error
+    assert len(outputs[0].outputs[0].token_ids) == 3 and len(outputs[3].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(dtype="float16", device="cpu"), "float16 is refused on CPU"),
+        (dict(dtype="int8"), "dtype must be one of"),
+        (dict(device="tpu"), "device must be"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(block_size=-4), "block_size"),
+        (dict(max_model_len=10_000), "max_position_embeddings"),
+        (dict(kv_cache_memory=1000), "kv_cache_memory"),
+    ],
+)
+def test_bad_engine_arguments(tiny_model_dirs, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, **kwargs)
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(tmp_path)
+
+
+def test_malformed_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(tmp_path)
+
+
+def test_config_missing_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="malformed"):
+        LLM(tmp_path)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(tmp_path)
+
+
+def test_missing_weights(tiny_model_dirs, tmp_path):
+    shutil.copy(tiny_model_dirs["llama"] / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(tmp_path, skip_tokenizer_init=True)
+
+
+def test_truncated_checkpoint(tiny_model_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dirs["llama"]
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    tensors = load_file(source / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing 1 tensors"):
+        LLM(tmp_path, skip_tokenizer_init=True)

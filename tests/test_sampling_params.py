@@ -1,0 +1,37 @@
+"""SamplingParams validation: every bad value names its field, the value and the allowed range."""
+
+import pytest
+
+from contbatch import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("temperature", -0.1, ValueError),
+        ("temperature", float("nan"), ValueError),
+        ("temperature", "hot", TypeError),
+        ("top_p", 0.0, ValueError),
+        ("top_p", 1.5, ValueError),
+        ("top_k", -2, ValueError),
+        ("top_k", 1.5, TypeError),
+        ("min_p", -0.1, ValueError),
+        ("min_p", 1.1, ValueError),
+        ("max_tokens", 0, ValueError),
+        ("max_tokens", True, TypeError),
+        ("min_tokens", -1, ValueError),
+        ("min_tokens", 100, ValueError),
+        ("seed", -1, ValueError),
+        ("stop_token_ids", [-3], ValueError),
+        ("ignore_eos", "yes", TypeError),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(field, value, error):
+    with pytest.raises(error, match=field) as info:
+        SamplingParams(**{field: value})
+    assert repr(value)[:8] in str(info.value) or field == "stop_token_ids"
+
+
+def test_valid_values_are_kept():
+    params = SamplingParams(temperature=0, top_p=0.5, top_k=5, min_p=0.1, max_tokens=7, min_tokens=3, seed=4)
+    assert params.greedy and params.top_k == 5 and params.min_tokens == 3
