@@ -2,7 +2,7 @@
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,11 +68,42 @@ class LLM:
         resolved_device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, resolved_device)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
-        self.preparer = PromptPreparer(self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size)
+        self.preparer = PromptPreparer(
+            self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params
+        )
         self._running = False
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted with the
+        tokenizer's chat template (or ``chat_template``). Each conversation is a list of
+        {"role": ..., "content": ...} messages; outputs come back in input order."""
+        if self.engine.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self._render_chat(c, chat_template, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(self, conversation: object, chat_template: str | None, add_generation_prompt: bool) -> dict:
+        if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
+            raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(
+            list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+        # The template already holds any BOS it wants: do not let the tokenizer add another.
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def generate(
         self,
@@ -114,7 +145,7 @@ class LLM:
         total = len(items) if materialised else None
         if total == 0:
             raise ValueError("prompts is empty: give at least one prompt")
-        params = _params_iterator(sampling_params, total)
+        params = _params_iterator(sampling_params, total, self.engine.check_params)
         source: Iterable = self.preparer.prepare_all(items) if materialised else items
         return self._run(source, params, materialised, _Progress(total, use_tqdm))
 
@@ -164,10 +195,14 @@ class LLM:
 
 
 
-def _params_iterator(sampling_params: object, total: int | None) -> Iterator[SamplingParams]:
+def _params_iterator(
+    sampling_params: object, total: int | None, check: Callable[[SamplingParams], None]
+) -> Iterator[SamplingParams]:
+    """Validated before any work: types, count, and what this engine can serve."""
     if sampling_params is None:
         return itertools.repeat(SamplingParams())
     if isinstance(sampling_params, SamplingParams):
+        check(sampling_params)
         return itertools.repeat(sampling_params)
     if isinstance(sampling_params, (list, tuple)):
         if total is not None and len(sampling_params) != total:
@@ -178,6 +213,10 @@ def _params_iterator(sampling_params: object, total: int | None) -> Iterator[Sam
         for index, params in enumerate(sampling_params):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
+            try:
+                check(params)
+            except ValueError as exc:
+                raise ValueError(f"sampling_params[{index}]: {exc}") from exc
         return iter(sampling_params)
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
 

@@ -4,18 +4,34 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the model's raw distribution, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""token id -> Logprob: the chosen token and the top-k alternatives at one position."""
+
+
+@dataclass
 class CompletionOutput:
     """One generated completion.
 
-    finish_reason is "stop" (EOS or a stop token) or "length" (max_tokens or max_model_len);
-    stop_reason is the token id that stopped it, or None for EOS/length.
+    finish_reason is "stop" (EOS, a stop token or string, or a finished structured output)
+    or "length" (max_tokens or max_model_len); stop_reason is the stop token id or stop
+    string that ended it, or None for EOS and length.
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -31,10 +47,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The result for one prompt, in the order the prompts were given.
+    """The result for one prompt.
 
-    ``error`` is set (and ``outputs`` empty) when the request could not run, e.g. a
-    prompt from a lazy iterable that was longer than max_model_len.
+    ``request_id`` is the prompt's position in the input. ``prompt_logprobs`` has one
+    entry per prompt token (None for the first). ``error`` is set (and ``outputs`` empty)
+    when the request could not run, e.g. a prompt from a lazy iterable that was longer
+    than max_model_len.
     """
 
     request_id: str
@@ -44,4 +62,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None

@@ -1,11 +1,12 @@
 """Turning what users pass as prompts into validated token ids.
 
-Accepted prompt forms: a string, a list of token ids, or a dict with "prompt" or
-"prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), optionally with a
-"sampling_params" entry that overrides the call's SamplingParams for that prompt.
+Accepted prompt forms: a string, a list of token ids, or a dict with "prompt" and/or
+"prompt_token_ids" (vLLM's TextPrompt / TokensPrompt; given both, the ids are used and
+the text is reported), optionally with a "sampling_params" entry that overrides the
+call's SamplingParams for that prompt.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -23,15 +24,25 @@ class PreparedPrompt:
 
 
 class PromptPreparer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_model_len: int,
+        vocab_size: int,
+        check_params: Callable[[SamplingParams], None],
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.check_params = check_params
 
     def prepare(self, prompt: object) -> PreparedPrompt:
         """Token ids for one prompt; ValueError/TypeError saying what is wrong with it."""
         text, token_ids = self._split(prompt)
-        if text is not None:
+        own_params = _own_params(prompt)
+        if own_params is not None:
+            self.check_params(own_params)
+        if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this LLM was built with skip_tokenizer_init=True")
             if not text:
@@ -46,7 +57,7 @@ class PromptPreparer:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} allows at most "
                 f"{self.max_model_len - 1} (one position must remain for generated tokens)"
             )
-        return PreparedPrompt(text, list(token_ids), _own_params(prompt))
+        return PreparedPrompt(text, list(token_ids), own_params)
 
     def prepare_all(self, prompts: Sequence) -> list[PreparedPrompt]:
         """Validate a whole list before any work: one ValueError lists every offending index."""
@@ -65,11 +76,11 @@ class PromptPreparer:
     @staticmethod
     def _split(prompt: object) -> tuple[str | None, list[int] | None]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return None, _token_list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return _text(prompt["prompt"]), None
-            raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+            if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+            text = _text(prompt["prompt"]) if "prompt" in prompt else None
+            token_ids = _token_list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else None
+            return text, token_ids
         if isinstance(prompt, str):
             return prompt, None
         if isinstance(prompt, (list, tuple)):

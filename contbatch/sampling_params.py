@@ -2,6 +2,9 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -18,6 +21,25 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the request (kept in the output).
         ignore_eos: keep generating past EOS (benchmarks, fixed-length outputs).
         seed: per-request seed: the same seed gives the same tokens whatever else runs in the batch.
+            With n > 1, sample i uses a seed derived from (seed, i).
+        n: number of completions for the prompt; the prompt is prefilled once and its KV
+            blocks are shared between the samples (copy-on-write).
+        stop: strings that end the completion when they appear in its text (matched on the
+            detokenised text, across token boundaries); the text is cut before the match.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        logprobs: return the log-probability of every generated token and the top-k
+            alternatives (0 = the chosen token only), at most 20. They come from the
+            model's raw distribution: log-softmax of the logits *before* penalties,
+            temperature, top-k/top-p/min-p and structured-output masks.
+        prompt_logprobs: likewise for every prompt token after the first (for scoring and
+            perplexity). Requests asking for it skip the prefix cache.
+        repetition_penalty: > 1 discourages tokens already in the prompt or output
+            (HF/CTRL style: positive logits divided, negative multiplied).
+        presence_penalty: subtracted once from the logit of every token already generated [-2, 2].
+        frequency_penalty: subtracted per occurrence of a token already generated [-2, 2].
+        structured_outputs: constrain the output to a choice, a regex or a JSON schema
+            (a ``StructuredOutputsParams``).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
     temperature: float = 1.0
@@ -29,6 +51,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    structured_outputs: Any = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, lambda v: math.isfinite(v) and v >= 0, ">= 0 and finite")
@@ -44,10 +76,48 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, lambda v: v >= 0, "a list of token ids >= 0")
+        _check_int("n", self.n, lambda v: v >= 1, ">= 1")
+        self.stop = _stop_strings(self.stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lambda v: 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
+        _check_number("repetition_penalty", self.repetition_penalty, lambda v: 0 < v <= 10, "in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        _check_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stop)
+
+
+def _check_structured_outputs(value: object) -> None:
+    if value is None:
+        return
+    from contbatch.structured_outputs import StructuredOutputsParams
+
+    if not isinstance(value, StructuredOutputsParams):
+        raise TypeError(
+            f"SamplingParams.structured_outputs must be a StructuredOutputsParams(choice=..., regex=... or json=...), "
+            f"got {type(value).__name__}"
+        )
 
 
 def _check_number(name: str, value: object, ok, allowed: str) -> None:

@@ -42,7 +42,7 @@ class BlockManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of the request, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         self._hash_full_blocks(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -57,10 +57,11 @@ class BlockManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens after its computed ones.
 
-        ``cached_blocks`` (from find_cached_prefix, for a request with no blocks yet)
-        are taken first. Returns False, changing nothing, if too few blocks are free.
+        ``cached_blocks`` (from find_cached_prefix, for a request with no blocks yet, whose
+        num_computed_tokens already counts them) are taken first. Returns False, changing
+        nothing, if too few blocks are free.
         """
-        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        total = request.num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, self.blocks_needed(total) - len(request.block_ids) - len(cached_blocks))
         reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         needs_copy = self._shared_write_block(request) is not None
@@ -87,12 +88,13 @@ class BlockManager:
         request.num_registered_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Share all of the parent's blocks with the child (copy-on-write on its next write)."""
-        for block in parent.block_ids:
+        """Share the parent's blocks holding computed tokens with the child (copy-on-write on its next write)."""
+        shared = parent.block_ids[: self.blocks_needed(parent.num_computed_tokens)]
+        for block in shared:
             self.ref_counts[block] += 1
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_ids = list(shared)
+        child.block_hashes = list(parent.block_hashes[: parent.num_computed_tokens // self.block_size])
+        child.num_registered_blocks = min(parent.num_registered_blocks, len(child.block_hashes))
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register hashes of the request's full, computed blocks so others can reuse them."""

@@ -21,27 +21,33 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0  # window start: context so the next token decodes as in the full text
         self.read_offset = 0  # tokens before this are already in self.text
+        self.finished = False
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
+        if self.finished:
+            return ""
         self.token_ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is left, incomplete characters included."""
+        return "" if self.finished else self._emit(final=True)
+
+    def truncate(self, length: int) -> None:
+        """Cut the text (at a stop string) and ignore anything after."""
+        self.text = self.text[:length]
+        self.finished = True
+
+    def _emit(self, final: bool) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not final):
             return ""
         delta = full_text[len(prefix_text) :]
         self.text += delta
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        return delta
-
-    def flush(self) -> str:
-        """At the end of a request: emit whatever is left, incomplete characters included."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
-        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
-        self.text += delta
-        self.prefix_offset = self.read_offset = len(self.token_ids)
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -8,13 +8,13 @@ import torch
 
 from contbatch.config import EngineConfig
 from contbatch.engine.block_manager import BlockManager
-from contbatch.engine.detokenizer import IncrementalDetokenizer
 from contbatch.engine.model_runner import ModelRunner
+from contbatch.engine.output_processor import OutputProcessor
 from contbatch.engine.request import Request
 from contbatch.engine.scheduler import Scheduler
 from contbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 from contbatch.models.loader import load_model, read_config
-from contbatch.outputs import CompletionOutput, RequestOutput
+from contbatch.outputs import RequestOutput
 from contbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,13 +42,23 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, device, dtype, config.seed)
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._compiler = None
         self.num_steps = 0
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError if this engine cannot serve ``params`` (checked before any work)."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
+            raise ValueError("stop strings and structured outputs need a tokenizer (skip_tokenizer_init=True was given)")
+        if params.structured_outputs is not None:
+            self._grammar_compiler().validate(params.structured_outputs)
 
     def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
         request = Request(request_id, prompt, prompt_token_ids, params, self.eos_token_ids)
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_compiler().matcher(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:
@@ -57,7 +67,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (the engine is then idle)."""
         self.scheduler.abort_all()
-        self.detokenizers.clear()
+        self.outputs.abort_all()
 
     @property
     def num_waiting(self) -> int:
@@ -68,37 +78,19 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             raise RuntimeError("scheduler made no progress: the KV cache cannot hold the next request")
-        sampled = self.runner.execute(scheduled)
-        finished = self.scheduler.update(scheduled, sampled)
-        for request_id, token in sampled.items():
-            detokenizer = self.detokenizers.get(request_id)
-            if detokenizer is not None:
-                detokenizer.add(token)
+        result = self.runner.execute(scheduled)
+        self.outputs.record_prompt_logprobs(result.prompt_logprobs)
+        for request in self.scheduler.update(scheduled, result.sampled):
+            self.outputs.process_token(request, result.logprobs.get(request))
         self.num_steps += 1
-        return [self._output(request) for request in finished]
+        return self.outputs.collect(self.scheduler.free_finished())
 
-    def _output(self, request: Request) -> RequestOutput:
-        detokenizer = self.detokenizers.pop(request.request_id, None)
-        text = ""
-        if detokenizer is not None:
-            detokenizer.flush()
-            text = detokenizer.text
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=request.output_token_ids,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=str(request.request_id),
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=True,
-            metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+    def _grammar_compiler(self):
+        if self._compiler is None:
+            from contbatch.structured_outputs import GrammarCompiler
+
+            self._compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._compiler
 
     def _max_model_len(self, config: EngineConfig) -> int:
         model_max = self.model_config.max_position_embeddings

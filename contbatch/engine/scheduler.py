@@ -80,31 +80,47 @@ class Scheduler:
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (by request id); return finished requests."""
-        finished = []
+    def update(self, output: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+        """Advance computed counts and append sampled tokens; return the requests that got a token.
+
+        Finished requests stay in ``running`` until free_finished(), so the engine can
+        still end requests on text-level conditions (stop strings, grammars) first.
+        """
+        advanced = []
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token, self.max_model_len)
-            if request.is_finished:
-                finished.append(request)
+            if request.samples_to_fork and request.num_computed_tokens == request.fork_point:
+                self._fork_samples(request)
+            token = sampled.get(request)
+            if token is not None:
+                request.append_token(token, self.max_model_len)
+                advanced.append(request)
+        return advanced
+
+    def free_finished(self) -> list[Request]:
+        """Remove finished requests from the running batch and release their blocks."""
+        finished = [r for r in self.running if r.is_finished]
         if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
+            self.running = [r for r in self.running if not r.is_finished]
             for request in finished:
                 self.block_manager.free(request)
         return finished
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Samples 1..n-1 share the parent's computed blocks; their first writes copy the shared partial block."""
+        for index in range(1, parent.samples_to_fork + 1):
+            child = parent.fork(index)
+            self.block_manager.fork(parent, child)
+            self.running.append(child)
+        parent.samples_to_fork = 0
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._tokens_to_compute(request), budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break
             output.scheduled.append(ScheduledRequest(request, num_new))
@@ -130,19 +146,35 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Samples still to be forked from running prompts hold their seats already.
+        seats_taken = len(self.running) + sum(r.samples_to_fork for r in self.running)
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if seats_taken + 1 + request.samples_to_fork > self.max_num_seqs:
+                break
             cached = self.block_manager.find_cached_prefix(request)
-            num_cached = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            request.num_computed_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(self._tokens_to_compute(request), budget)
             if not self.block_manager.allocate_slots(request, num_new, cached):
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            request.num_computed_tokens = num_cached
+            seats_taken += 1 + request.samples_to_fork
+            num_cached = request.num_computed_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.time()
             self.running.append(request)
+            if request.samples_to_fork and num_cached == request.fork_point:
+                self._fork_samples(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    @staticmethod
+    def _tokens_to_compute(request: Request) -> int:
+        """Tokens still to compute; a prompt with samples to fork stops at the fork point first."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if request.samples_to_fork and request.num_computed_tokens < request.fork_point:
+            return min(remaining, request.fork_point - request.num_computed_tokens)
+        return remaining

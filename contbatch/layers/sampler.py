@@ -4,6 +4,9 @@ Vectorised over the batch; only seeded rows draw their noise one by one, from
 their own generator, so a seeded request samples the same tokens whatever else
 shares its batch. Sampling uses the exponential-race trick (argmax of p / q with
 q ~ Exp(1)), which draws from p exactly and needs no cumulative sums.
+
+Order of operations on the logits: min_tokens suppression, penalties, grammar
+masks, then greedy argmax or temperature, top-k, top-p, min-p and sampling.
 """
 
 from dataclasses import dataclass
@@ -14,6 +17,15 @@ from contbatch.sampling_params import SamplingParams
 
 
 @dataclass
+class Penalties:
+    repetition: torch.Tensor  # [rows, 1]
+    presence: torch.Tensor  # [rows, 1]
+    frequency: torch.Tensor  # [rows, 1]
+    prompt_ids: list[list[int]]
+    output_ids: list[list[int]]
+
+
+@dataclass
 class SamplingBatch:
     temperatures: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor  # [rows] int64, 0 = off
@@ -21,6 +33,8 @@ class SamplingBatch:
     min_p: torch.Tensor  # [rows] float32, 0 = off
     generators: list[torch.Generator | None]
     suppressed: list[tuple[int, list[int]]]  # (row, token ids masked out: min_tokens not yet reached)
+    grammars: list[tuple[int, object]]  # (row, GrammarMatcher) for structured outputs
+    penalties: Penalties | None
     all_greedy: bool
 
     @classmethod
@@ -29,23 +43,45 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         suppressed: list[tuple[int, list[int]]],
+        grammars: list[tuple[int, object]],
+        token_ids: list[tuple[list[int], list[int]]],
         device: torch.device,
     ) -> "SamplingBatch":
+        """``token_ids``: (prompt ids, output ids) per row, used only when a row has penalties."""
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        penalties = None
+        if any(p.has_penalties for p in params):
+            penalties = Penalties(
+                repetition=column([p.repetition_penalty for p in params], torch.float32).unsqueeze(1),
+                presence=column([p.presence_penalty for p in params], torch.float32).unsqueeze(1),
+                frequency=column([p.frequency_penalty for p in params], torch.float32).unsqueeze(1),
+                prompt_ids=[ids[0] for ids in token_ids],
+                output_ids=[ids[1] for ids in token_ids],
+            )
         return cls(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperatures=column([p.temperature for p in params], torch.float32),
+            top_k=column([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
             generators=generators,
             suppressed=suppressed,
+            grammars=grammars,
+            penalties=penalties,
             all_greedy=all(p.greedy for p in params),
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [rows] from fp32 logits [rows, vocab]."""
+    """Token ids [rows] from fp32 logits [rows, vocab] (modified in place)."""
     for row, token_ids in batch.suppressed:
         logits[row, token_ids] = float("-inf")
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    for row, grammar in batch.grammars:
+        grammar.fill_mask(logits[row])
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
@@ -59,6 +95,28 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     noise = _exponential_noise(probs, batch.generators, generator)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, greedy_tokens, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (HF semantics); presence and
+    frequency penalties over output tokens (OpenAI semantics)."""
+    output_counts = _token_counts(penalties.output_ids, logits)
+    seen = (output_counts + _token_counts(penalties.prompt_ids, logits)) > 0
+    rep = penalties.repetition
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - penalties.frequency * output_counts - penalties.presence * (output_counts > 0).float()
+
+
+def _token_counts(token_ids: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] occurrence counts; one scatter over ids padded with an out-of-range column."""
+    rows, vocab = like.shape
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.full((rows, max(width, 1)), vocab, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    counts = torch.zeros(rows, vocab + 1, dtype=like.dtype)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=like.dtype))
+    return counts[:, :vocab].to(like.device)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,12 @@ class FakeRunner:
         self.block_size = block_size
         self.slots: dict[int, tuple[int, int]] = {}
 
-    def execute(self, step: SchedulerOutput) -> dict[int, int]:
+    def execute(self, step: SchedulerOutput) -> dict[Request, int]:
+        for source, destination in step.blocks_to_copy:
+            for offset in range(self.block_size):
+                copied = self.slots.get(source * self.block_size + offset)
+                if copied is not None:
+                    self.slots[destination * self.block_size + offset] = copied
         sampled = {}
         for item in step.scheduled:
             request = item.request
@@ -36,7 +41,7 @@ class FakeRunner:
                     f"request {request.request_id} would attend to wrong K/V at position {position}"
                 )
             if item.samples:
-                sampled[request.request_id] = _next_token(request)
+                sampled[request] = _next_token(request)
         return sampled
 
     def _slot(self, request: Request, position: int) -> int:
@@ -44,8 +49,8 @@ class FakeRunner:
 
 
 def _next_token(request: Request) -> int:
-    """Deterministic per request and length, with EOS now and then."""
-    return (request.request_id * 31 + request.num_tokens * 17) % VOCAB
+    """Deterministic per request, sample and length, with EOS now and then."""
+    return (request.request_id * 31 + request.sample_index * 7 + request.num_tokens * 17) % VOCAB
 
 
 def _prompts(draw, count: int) -> list[list[int]]:
@@ -70,11 +75,12 @@ def workloads(draw):
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
-        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_seqs=draw(st.integers(3, 8)),
         budget=draw(st.integers(1, 64)),
         prefix_caching=draw(st.booleans()),
         prompts=_prompts(draw, count),
         max_tokens=[draw(st.integers(1, 40)) for _ in range(count)],
+        n=[draw(st.integers(1, 3)) for _ in range(count)],
         ignore_eos=draw(st.booleans()),
     )
 
@@ -86,13 +92,13 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
     scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
     runner = FakeRunner(w["block_size"])
     requests = []
-    for index, (prompt, max_tokens) in enumerate(zip(w["prompts"], w["max_tokens"])):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=w["ignore_eos"])
+    for index, (prompt, max_tokens, n) in enumerate(zip(w["prompts"], w["max_tokens"], w["n"])):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=w["ignore_eos"], n=n)
         request = Request(index, None, prompt, params, frozenset({EOS}))
         requests.append(request)
         scheduler.add_request(request)
 
-    finished: list[int] = []
+    finished: list[Request] = []
     for _ in range(10_000):
         if not scheduler.has_unfinished():
             break
@@ -101,12 +107,15 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
         assert step.num_batched_tokens <= w["budget"]
         assert len(step.scheduled) <= w["max_num_seqs"]
         assert len({id(s.request) for s in step.scheduled}) == len(step.scheduled)
-        finished.extend(r.request_id for r in scheduler.update(step, runner.execute(step)))
+        scheduler.update(step, runner.execute(step))
+        finished.extend(scheduler.free_finished())
         _check_block_invariants(manager, scheduler.running)
     assert not scheduler.has_unfinished()
 
-    assert sorted(finished) == list(range(len(requests))), "every request finishes exactly once"
-    for request in requests:
+    expected = sorted((i, s) for i, n in enumerate(w["n"]) for s in range(n))
+    assert sorted((r.request_id, r.sample_index) for r in finished) == expected, "every sample finishes exactly once"
+    for request in finished:
+        assert request.prompt_token_ids == w["prompts"][request.request_id]
         _check_stopping(request, w["max_model_len"])
     assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
     assert all(count == 0 for count in manager.ref_counts)
@@ -145,6 +154,7 @@ def test_prefix_cache_hit_is_capped_below_prompt_length():
     scheduler.add_request(first)
     step = scheduler.schedule()
     scheduler.update(step, runner.execute(step))
+    assert scheduler.free_finished() == [first]
     second = Request(1, None, list(prompt), SamplingParams(temperature=0, max_tokens=1), frozenset())
     scheduler.add_request(second)
     step = scheduler.schedule()
@@ -163,7 +173,8 @@ def test_preemption_frees_newest_and_recomputes():
     finished = []
     while scheduler.has_unfinished():
         step = scheduler.schedule()
-        finished += scheduler.update(step, runner.execute(step))
+        scheduler.update(step, runner.execute(step))
+        finished += scheduler.free_finished()
     assert scheduler.num_preemptions > 0
     assert sorted(r.request_id for r in finished) == [0, 1, 2]
     assert all(len(r.output_token_ids) == 12 for r in requests)
