@@ -1,0 +1,149 @@
+"""Times the compiled cache/attention ops (contbatch._C) against the PyTorch reference.
+
+Decode paged_attention at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_size 64,
+block_size 16, physical blocks shuffled over the whole cache), for batch 1, 32 and 256 and
+contexts 128 to 4096, in bf16 and fp32; achieved bandwidth counts the K/V bytes read, set
+against a large tensor copy measured in the same run (read + write bytes). Also one prefill
+batch and reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
+
+    python benchmarks/kernels.py [--out FILE] [--quick]
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from contbatch.ops import reference
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+SCALE = HEAD_SIZE**-0.5
+BATCHES = (1, 32, 256)
+CONTEXTS = (128, 512, 1024, 4096)
+REFERENCE_MAX_TOKENS = 256 * 1024  # the reference takes seconds per call beyond this many context tokens
+
+
+def time_call(fn: Callable[[], None], min_seconds: float = 0.5, max_iters: int = 50) -> float:
+    """Median seconds per call after one warm-up call."""
+    fn()
+    times: list[float] = []
+    while len(times) < max_iters and (len(times) < 3 or sum(times) < min_seconds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 512 MiB tensor copy, counting bytes read plus bytes written."""
+    src = torch.ones(2**29, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_call(lambda: dst.copy_(src)) / 1e9
+
+
+class Cache:
+    """One key and value cache for the largest batch x context, shared by all configs."""
+
+    def __init__(self, dtype: torch.dtype, max_tokens: int) -> None:
+        self.num_blocks = max_tokens // BLOCK_SIZE
+        shape = (self.num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+        self.key = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
+        self.value = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
+
+    def batch(self, seq_lens: list[int], query_lens: list[int]) -> tuple:
+        """paged_attention's arguments after `out` for a batch over random shuffled blocks."""
+        blocks = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens]
+        physical = torch.randperm(self.num_blocks)[: sum(blocks)].int()
+        tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        start = 0
+        for seq, count in enumerate(blocks):
+            tables[seq, :count] = physical[start : start + count]
+            start += count
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.key.dtype).uniform_(-1, 1)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        return query, self.key, self.value, tables, seq_lens_t, starts
+
+
+def attention_row(cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float) -> dict:
+    args = cache.batch(seq_lens, query_lens)
+    out = torch.empty_like(args[0])
+    compiled = time_call(lambda: torch.ops.contbatch.paged_attention(out, *args, SCALE))
+    row = dict(op=name, dtype=str(cache.key.dtype).removeprefix("torch."), compiled_ms=compiled * 1e3)
+    kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache.key.element_size()
+    row["gbs"] = kv_bytes / compiled / 1e9
+    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+    if sum(seq_lens) <= REFERENCE_MAX_TOKENS:
+        ref = time_call(lambda: reference.paged_attention(out, *args, SCALE), min_seconds=0.2, max_iters=5)
+        row["reference_ms"] = ref * 1e3
+        row["speedup"] = ref / compiled
+    return row
+
+
+def reshape_and_cache_row(cache: Cache, num_tokens: int) -> dict:
+    dtype = cache.key.dtype
+    key = torch.empty(num_tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype).uniform_(-1, 1)
+    value = torch.empty_like(key).uniform_(-1, 1)
+    slots = torch.randperm(cache.num_blocks * BLOCK_SIZE)[:num_tokens]
+    compiled = time_call(lambda: torch.ops.contbatch.reshape_and_cache(key, value, cache.key, cache.value, slots))
+    ref = time_call(lambda: reference.reshape_and_cache(key, value, cache.key, cache.value, slots), max_iters=20)
+    return dict(op=f"reshape_and_cache {num_tokens} tokens", dtype=str(dtype).removeprefix("torch."),
+                compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
+
+
+def markdown(rows: list[dict], copy_gbs: float) -> str:
+    lines = [
+        f"Copy bandwidth (512 MiB tensor copy, read + write): {copy_gbs:.1f} GB/s. "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads.",
+        "",
+        "| op | dtype | compiled ms | K/V GB/s | % of copy bw | reference ms | speedup |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        cells = [
+            r["op"],
+            r["dtype"],
+            f"{r['compiled_ms']:.3f}",
+            f"{r['gbs']:.1f}" if "gbs" in r else "",
+            f"{r['pct_copy']:.0f}%" if "pct_copy" in r else "",
+            f"{r['reference_ms']:.2f}" if "reference_ms" in r else "skipped",
+            f"{r['speedup']:.1f}x" if "speedup" in r else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Reference skipped above {REFERENCE_MAX_TOKENS} context tokens per call (seconds per call)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--quick", action="store_true", help="bf16 only, contexts up to 1024")
+    args = parser.parse_args()
+    from contbatch import _C  # noqa: F401  (fails loudly when the extension is not built)
+
+    copy_gbs = copy_bandwidth()
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
+    contexts = tuple(c for c in CONTEXTS if not args.quick or c <= 1024)
+    rows = []
+    for dtype in dtypes:
+        cache = Cache(dtype, max(BATCHES) * max(contexts))
+        for batch in BATCHES:
+            for context in contexts:
+                name = f"decode batch {batch} ctx {context}"
+                rows.append(attention_row(cache, name, [context] * batch, [1] * batch, copy_gbs))
+                print(rows[-1], flush=True)
+        rows.append(attention_row(cache, "prefill 8 x 200 tokens", [200] * 8, [200] * 8, copy_gbs))
+        for num_tokens in (32, 256, 4096):
+            rows.append(reshape_and_cache_row(cache, num_tokens))
+        del cache
+    table = markdown(rows, copy_gbs)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

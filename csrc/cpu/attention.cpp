@@ -1,0 +1,221 @@
+// CPU paged_attention driver: checks the batch, cuts it into WorkItems and runs them on
+// ATen's thread pool with the best kernel this CPU supports.
+//
+// Work items: for each sequence, kv head and tile of query tokens, the query heads of that
+// kv head (GQA) together, at most kMaxRows rows, so each K/V row is read once per tile.
+// Decode (one query per sequence) gives one item per (sequence, kv head). When that is too
+// few items to keep every thread busy (small batch, long context), each item's key range is
+// split into partitions whose partial softmax results are combined afterwards (split-K,
+// like vLLM's paged_attention_v2). Threads take items, most expensive first, from a
+// shared counter, so ragged batches (mixed prefill and decode) stay balanced.
+// Layouts: ../op_checks.h and attention_kernel_api.h.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "../op_checks.h"
+#include "../ops.h"
+#include "attention_kernel_api.h"
+
+namespace contbatch {
+
+namespace {
+
+using cpu::AttentionArgs;
+using cpu::AttentionKernels;
+using cpu::kMaxRows;
+using cpu::WorkItem;
+
+constexpr int64_t kItemsPerThread = 4;     // fewer than this per thread: split the key ranges
+constexpr int64_t kMinPartition = 256;     // key positions per partition, at least
+constexpr int64_t kPartitionsPerThread = 8;
+
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// CONTBATCH_CPU_ISA: unset or "auto" picks the best; "generic" or "avx512" force one.
+const AttentionKernels* select_kernels() {
+  static const bool has_avx512 = cpu_has_avx512_bf16() && cpu::avx512_kernels() != nullptr;
+  const char* env = std::getenv("CONTBATCH_CPU_ISA");
+  const std::string_view isa = env == nullptr ? "auto" : env;
+  if (isa == "generic") return cpu::generic_kernels();
+  if (isa == "avx512") {
+    TORCH_CHECK_VALUE(has_avx512, "CONTBATCH_CPU_ISA=avx512, but this CPU or build lacks AVX-512 with AVX512_BF16");
+    return cpu::avx512_kernels();
+  }
+  TORCH_CHECK_VALUE(isa == "auto" || isa.empty(), "CONTBATCH_CPU_ISA must be auto, generic or avx512, got '", isa,
+                    "'");
+  return has_avx512 ? cpu::avx512_kernels() : cpu::generic_kernels();
+}
+
+// Checks each sequence's lengths and block ids, then appends its work items.
+void add_sequence_items(std::vector<WorkItem>& items, int32_t seq, int32_t q_begin, int32_t q_end,
+                        int32_t seq_len, const int32_t* table, int64_t max_blocks, int64_t num_blocks,
+                        int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t sliding_window) {
+  const int32_t q_len = q_end - q_begin;
+  TORCH_CHECK_VALUE(q_len <= seq_len, "paged_attention: sequence ", seq, " has ", q_len,
+                    " query tokens but seq_lens = ", seq_len, " (seq_lens includes the query tokens)");
+  const int64_t used_blocks = (seq_len + block_size - 1) / block_size;
+  TORCH_CHECK_VALUE(used_blocks <= max_blocks, "paged_attention: sequence ", seq, " needs ", used_blocks,
+                    " blocks for seq_len ", seq_len, " but block_tables has ", max_blocks, " columns");
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "paged_attention: block_tables[", seq, "][", b,
+                      "] = ", table[b], " is outside [0, ", num_blocks, ")");
+  }
+  const int32_t heads_per_item = static_cast<int32_t>(std::min<int64_t>(group, kMaxRows));
+  const int32_t queries_per_item = kMaxRows / heads_per_item;
+  for (int32_t qi = 0; qi < q_len; qi += queries_per_item) {
+    const int32_t num_queries = std::min(queries_per_item, q_len - qi);
+    const int32_t pos = seq_len - q_len + qi;
+    const int32_t kv_begin = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+    for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      for (int32_t h = 0; h < group; h += heads_per_item) {
+        const int32_t heads = static_cast<int32_t>(std::min<int64_t>(heads_per_item, group - h));
+        items.push_back(WorkItem{seq, kv_head, static_cast<int32_t>(kv_head * group + h), heads, q_begin + qi,
+                                 num_queries, pos, kv_begin, pos + num_queries, -1});
+      }
+    }
+  }
+}
+
+struct Plan {
+  std::vector<WorkItem> items;  // before split-K
+  std::vector<WorkItem> tasks;  // after split-K
+  std::vector<int64_t> order;   // tasks, most expensive first
+  std::vector<std::pair<int64_t, int64_t>> split_items;  // [begin, end) in tasks of each split item
+};
+
+int64_t item_cost(const WorkItem& w) { return int64_t(w.num_heads) * w.num_queries * (w.kv_end - w.kv_begin); }
+
+// Runs fn(i) for i in [0, n) on the thread pool, threads pulling indices from a shared counter.
+template <class F>
+void run_dynamic(int64_t n, const F& fn) {
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  if (workers <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
+  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                             /*allow_half=*/false);
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_tokens = query.size(0), head_size = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
+  const int64_t group = query.size(1) / num_kv_heads;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  // Reused across calls: no allocation per step once the batch size has been seen. Bound to
+  // references because the worker threads must see this thread's copies.
+  thread_local Plan plan_storage;
+  Plan& plan = plan_storage;
+  std::vector<WorkItem>& items = plan.items;
+  std::vector<WorkItem>& tasks = plan.tasks;
+  std::vector<int64_t>& order = plan.order;
+  std::vector<std::pair<int64_t, int64_t>>& split_items = plan.split_items;
+  items.clear();
+  TORCH_CHECK_VALUE(starts[0] == 0, "paged_attention: query_start_loc[0] must be 0, got ", starts[0]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK_VALUE(starts[s] <= starts[s + 1] && starts[s + 1] <= num_tokens, "paged_attention: query_start_loc[",
+                      s + 1, "] = ", starts[s + 1], " is not within [", starts[s], ", num_tokens=", num_tokens, "]");
+    if (starts[s] == starts[s + 1]) continue;
+    add_sequence_items(items, static_cast<int32_t>(s), starts[s], starts[s + 1], lens[s],
+                       tables + s * block_tables.stride(0), block_tables.size(1), num_blocks, block_size,
+                       num_kv_heads, group, sliding_window);
+  }
+  if (items.empty()) return;
+
+  // Split-K when there are too few items for the threads; tasks of one item stay adjacent.
+  const int64_t threads = at::get_num_threads();
+  tasks.clear();
+  split_items.clear();
+  int64_t partition = INT32_MAX, partial_floats = 0;
+  if (threads > 1 && static_cast<int64_t>(items.size()) < kItemsPerThread * threads) {
+    int64_t total_span = 0;
+    for (const WorkItem& w : items) total_span += w.kv_end - w.kv_begin;
+    partition = std::max(kMinPartition, (total_span / (kPartitionsPerThread * threads) + 15) / 16 * 16);
+  }
+  for (const WorkItem& w : items) {
+    if (w.kv_end - w.kv_begin <= partition) {
+      tasks.push_back(w);
+      continue;
+    }
+    const int64_t begin = static_cast<int64_t>(tasks.size());
+    for (int64_t k = w.kv_begin; k < w.kv_end; k += partition) {
+      WorkItem part = w;
+      part.kv_begin = static_cast<int32_t>(k);
+      part.kv_end = static_cast<int32_t>(std::min<int64_t>(w.kv_end, k + partition));
+      part.partial = partial_floats;
+      partial_floats += int64_t(w.num_heads) * w.num_queries * (head_size + 2);
+      tasks.push_back(part);
+    }
+    split_items.emplace_back(begin, static_cast<int64_t>(tasks.size()));
+  }
+
+  order.resize(tasks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t cost_a = item_cost(tasks[a]), cost_b = item_cost(tasks[b]);
+    return cost_a > cost_b || (cost_a == cost_b && a < b);
+  });
+
+  const AttentionArgs args{query.data_ptr(),
+                           query.stride(0),
+                           query.stride(1),
+                           out.data_ptr(),
+                           out.stride(0),
+                           out.stride(1),
+                           key_cache.data_ptr(),
+                           value_cache.data_ptr(),
+                           key_cache.stride(0),
+                           key_cache.stride(1),
+                           tables,
+                           block_tables.stride(0),
+                           block_size,
+                           head_size,
+                           static_cast<float>(scale),
+                           sliding_window,
+                           query.scalar_type() == at::kBFloat16};
+  const AttentionKernels* kernels = select_kernels();
+  at::Tensor partials;
+  if (partial_floats > 0) partials = at::empty({partial_floats}, query.options().dtype(at::kFloat));
+  float* partial_data = partial_floats > 0 ? partials.data_ptr<float>() : nullptr;
+
+  run_dynamic(static_cast<int64_t>(tasks.size()),
+              [&](int64_t i) { kernels->attend(args, tasks[order[i]], partial_data); });
+  run_dynamic(static_cast<int64_t>(split_items.size()), [&](int64_t i) {
+    const auto [begin, end] = split_items[i];
+    kernels->reduce_partitions(args, &tasks[begin], static_cast<int>(end - begin), partial_data);
+  });
+}
+
+}  // namespace contbatch

@@ -1,0 +1,16 @@
+// The attention kernel for any CPU: portable C++ the compiler vectorises for the baseline
+// ISA. Used when the CPU lacks AVX-512/AVX512_BF16, or with CONTBATCH_CPU_ISA=generic.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "attention_kernel_api.h"
+
+namespace contbatch::cpu {
+namespace {
+#include "simd_generic.h"
+#include "attention_kernel.h"
+}  // namespace
+
+const AttentionKernels* generic_kernels() { return &kKernels; }
+}  // namespace contbatch::cpu

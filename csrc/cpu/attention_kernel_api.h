@@ -1,0 +1,70 @@
+// Interface between the ATen driver (attention.cpp) and the per-ISA attention kernels
+// (attention_avx512.cpp, attention_generic.cpp). No ATen here: the kernel translation
+// units are compiled with other target ISAs and must not share inline code with the rest.
+//
+// Layouts (see docs/kv_cache_layout.md):
+//   query, out:              [num_tokens, num_heads, head_size], any token/head strides
+//   key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], contiguous
+//   block_tables:            [num_seqs, max_blocks_per_seq] int32
+// A key position p of sequence s lives at block block_tables[s][p / block_size],
+// row p % block_size.
+#pragma once
+
+#include <cstdint>
+
+namespace contbatch::cpu {
+
+struct AttentionArgs {
+  const void* query;
+  int64_t query_token_stride;  // strides in elements
+  int64_t query_head_stride;
+  void* out;
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t cache_block_stride;
+  int64_t cache_head_stride;
+  const int32_t* block_tables;
+  int64_t block_table_stride;
+  int64_t block_size;
+  int64_t head_size;  // a multiple of 16, at most 256
+  float scale;
+  int64_t sliding_window;  // <= 0: none
+  bool bf16;               // element type of query, out and caches: bf16 if true, else fp32
+};
+
+// Query rows and key positions one task attends. Its rows are r = q * num_heads + h for the
+// query tokens token_begin + q (q < num_queries, at positions pos_begin + q) and the query
+// heads head_begin + h (h < num_heads), all of which share kv head kv_head.
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t head_begin;
+  int32_t num_heads;
+  int32_t token_begin;
+  int32_t num_queries;
+  int32_t pos_begin;
+  int32_t kv_begin;  // key positions [kv_begin, kv_end)
+  int32_t kv_end;
+  // -1: normalise and write `out`. Else offset (in floats) of this item's partial result
+  // (split-K): m[rows] (running max, base 2), l[rows], acc[rows][head_size], combined by
+  // reduce_partitions.
+  int64_t partial;
+};
+
+constexpr int kMaxRows = 16;  // rows of one WorkItem: num_heads * num_queries
+
+struct AttentionKernels {
+  void (*attend)(const AttentionArgs& args, const WorkItem& item, float* partials);
+  // Combines the partial results of `num_parts` items that split one item's key range.
+  void (*reduce_partitions)(const AttentionArgs& args, const WorkItem* parts, int num_parts,
+                            const float* partials);
+};
+
+// nullptr when the AVX-512 kernels were not compiled (non-x86 or non-GCC compiler).
+// Call only when the CPU supports avx512f/bw/vl/dq and avx512_bf16.
+const AttentionKernels* avx512_kernels();
+const AttentionKernels* generic_kernels();
+
+}  // namespace contbatch::cpu

@@ -1,0 +1,107 @@
+// 16-lane fp32 vector operations on AVX-512 (+ AVX512_BF16 for the bf16 dot products).
+// Included only by attention_avx512.cpp, inside its `#pragma GCC target` region and an
+// anonymous namespace; simd_generic.h defines the same functions portably.
+#pragma once
+
+using Vec16 = __m512;
+using Mask16 = __mmask16;
+
+inline Vec16 vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec16 vzero() { return _mm512_setzero_ps(); }
+inline Vec16 vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec16 vload(const uint16_t* bf16) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void vstore(float* p, Vec16 v) { _mm512_storeu_ps(p, v); }
+inline void vstore(uint16_t* bf16, Vec16 v) {  // round to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline Vec16 vadd(Vec16 a, Vec16 b) { return _mm512_add_ps(a, b); }
+inline Vec16 vsub(Vec16 a, Vec16 b) { return _mm512_sub_ps(a, b); }
+inline Vec16 vmul(Vec16 a, Vec16 b) { return _mm512_mul_ps(a, b); }
+inline Vec16 vfma(Vec16 a, Vec16 b, Vec16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec16 vmask_fill(Mask16 keep, Vec16 v, float fill) { return _mm512_mask_blend_ps(keep, vset1(fill), v); }
+inline Vec16 vmaskz(Mask16 keep, Vec16 v) { return _mm512_maskz_mov_ps(keep, v); }
+inline float vreduce_max(Vec16 v) { return _mm512_reduce_max_ps(v); }
+inline float vreduce_add(Vec16 v) { return _mm512_reduce_add_ps(v); }
+
+inline Mask16 vgreater(Vec16 a, float b) { return _mm512_cmp_ps_mask(a, vset1(b), _CMP_GT_OQ); }
+
+// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, 2^f = e^(f ln2) by its degree-7 Taylor
+// polynomial (truncation error < 1e-8 relative). scalef gives 0 for very negative x.
+inline Vec16 vexp2(Vec16 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-150.0f)), vset1(128.0f));
+  const Vec16 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec16 f = vsub(x, n);
+  Vec16 p = vset1(1.5252734e-05f);  // ln2^k / k!, k = 7 .. 0
+  p = vfma(p, f, vset1(1.5403530e-04f));
+  p = vfma(p, f, vset1(1.3333558e-03f));
+  p = vfma(p, f, vset1(9.6181291e-03f));
+  p = vfma(p, f, vset1(5.5504109e-02f));
+  p = vfma(p, f, vset1(2.4022651e-01f));
+  p = vfma(p, f, vset1(6.9314718e-01f));
+  p = vfma(p, f, vset1(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane t of the result is the sum of the lanes of v[t]: a transposing tree of adds.
+inline Vec16 vsum_transpose(Vec16 v[16]) {
+  Vec16 pairs[8];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = vadd(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  Vec16 quads[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane k: the lane-k sums of 4 vectors
+    __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  Vec16 halves[2];
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes: [x01, x23, y01, y23]
+    halves[i] = vadd(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                     _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  }
+  return vadd(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// Query row layout for qk_tile: fp32 rows as they are; bf16 rows zero-padded to a multiple
+// of 32 so the tail pair-chunk can be loaded whole.
+template <class T, int NC>
+constexpr int query_row_len() {
+  return sizeof(T) == 2 ? (NC + 1) / 2 * 32 : NC * 16;
+}
+
+// Lane t: dot(q, k_rows[t]) over 16 * NC elements, for 16 key rows.
+template <int NC>
+inline Vec16 qk_tile(const float* q, const float* const* k_rows) {
+  Vec16 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = vzero();
+  for (int c = 0; c < NC; ++c) {
+    Vec16 qc = vload(q + 16 * c);
+    for (int t = 0; t < 16; ++t) acc[t] = vfma(qc, vload(k_rows[t] + 16 * c), acc[t]);
+  }
+  return vsum_transpose(acc);
+}
+
+// bf16 pairs multiplied exactly and accumulated in fp32 by vdpbf16ps.
+template <int NC>
+inline Vec16 qk_tile(const uint16_t* q, const uint16_t* const* k_rows) {
+  constexpr int kFull = NC / 2;  // whole 32-element chunks; an odd NC leaves a 16-element tail
+  Vec16 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = vzero();
+  for (int c = 0; c < kFull; ++c) {
+    __m512bh qc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * c));
+    for (int t = 0; t < 16; ++t) {
+      __m512bh kc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k_rows[t] + 32 * c));
+      acc[t] = _mm512_dpbf16_ps(acc[t], qc, kc);
+    }
+  }
+  if constexpr (NC % 2 == 1) {
+    __m512bh qc = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * kFull));
+    for (int t = 0; t < 16; ++t) {
+      __m512bh kc = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(0xFFFF, k_rows[t] + 32 * kFull));
+      acc[t] = _mm512_dpbf16_ps(acc[t], qc, kc);
+    }
+  }
+  return vsum_transpose(acc);
+}

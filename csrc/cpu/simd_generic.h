@@ -1,0 +1,101 @@
+// Portable 16-lane fp32 vector: plain loops the compiler vectorises for the baseline ISA.
+// Same functions as simd_avx512.h; included only by attention_generic.cpp, inside an
+// anonymous namespace.
+#pragma once
+
+struct Vec16 {
+  float v[16];
+};
+using Mask16 = uint32_t;
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof f);
+  if (std::isnan(f)) return uint16_t((bits >> 16) | 0x40);
+  return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+inline Vec16 vset1(float x) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec16 vzero() { return vset1(0.0f); }
+inline Vec16 vload(const float* p) {
+  Vec16 r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline Vec16 vload(const uint16_t* bf16) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_float(bf16[i]);
+  return r;
+}
+inline void vstore(float* p, Vec16 v) { std::memcpy(p, v.v, sizeof v.v); }
+inline void vstore(uint16_t* bf16, Vec16 v) {
+  for (int i = 0; i < 16; ++i) bf16[i] = float_to_bf16(v.v[i]);
+}
+
+#define CONTBATCH_LANEWISE(name, expr)        \
+  inline Vec16 name(Vec16 a, Vec16 b) {       \
+    Vec16 r;                                  \
+    for (int i = 0; i < 16; ++i) r.v[i] = expr; \
+    return r;                                 \
+  }
+CONTBATCH_LANEWISE(vadd, a.v[i] + b.v[i])
+CONTBATCH_LANEWISE(vsub, a.v[i] - b.v[i])
+CONTBATCH_LANEWISE(vmul, a.v[i] * b.v[i])
+#undef CONTBATCH_LANEWISE
+
+inline Vec16 vfma(Vec16 a, Vec16 b, Vec16 c) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+  return r;
+}
+inline Vec16 vmask_fill(Mask16 keep, Vec16 v, float fill) {
+  for (int i = 0; i < 16; ++i) v.v[i] = (keep >> i) & 1 ? v.v[i] : fill;
+  return v;
+}
+inline Vec16 vmaskz(Mask16 keep, Vec16 v) { return vmask_fill(keep, v, 0.0f); }
+inline float vreduce_max(Vec16 v) {
+  float m = v.v[0];
+  for (int i = 1; i < 16; ++i) m = v.v[i] > m ? v.v[i] : m;
+  return m;
+}
+inline float vreduce_add(Vec16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v.v[i];
+  return s;
+}
+inline Mask16 vgreater(Vec16 a, float b) {
+  Mask16 m = 0;
+  for (int i = 0; i < 16; ++i) m |= Mask16(a.v[i] > b) << i;
+  return m;
+}
+inline Vec16 vexp2(Vec16 x) {
+  for (int i = 0; i < 16; ++i) x.v[i] = std::exp2(x.v[i]);
+  return x;
+}
+
+template <class T, int NC>
+constexpr int query_row_len() {
+  return NC * 16;
+}
+
+template <int NC, class T>
+inline Vec16 qk_tile(const T* q, const T* const* k_rows) {
+  Vec16 r;
+  for (int t = 0; t < 16; ++t) {
+    Vec16 acc = vzero();
+    for (int c = 0; c < NC; ++c) acc = vfma(vload(q + 16 * c), vload(k_rows[t] + 16 * c), acc);
+    r.v[t] = vreduce_add(acc);
+  }
+  return r;
+}

@@ -1,0 +1,20 @@
+// CPU entry points of the ops defined in torch_bindings.cpp (schemas there). The CUDA ones
+// are registered by csrc/cuda/*.cu themselves. Shapes and layouts: docs/kv_cache_layout.md
+// and the top of op_checks.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace contbatch {
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t sliding_window);
+void copy_blocks_cpu(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                     const at::Tensor& block_mapping);
+
+}  // namespace contbatch

@@ -1,0 +1,99 @@
+"""Random paged KV caches and varlen batches for the op tests (layout: contbatch/ops/reference.py)."""
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# Tolerances against the reference. fp32: both accumulate in fp32, so only summation order
+# differs. bf16: inputs are the same bf16 values and both accumulate in fp32, so outputs
+# differ by at most about one bf16 rounding (2^-8 relative); the fp32 tests are the tight ones.
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+# "auto" is AVX-512 where the CPU has it; "generic" is the portable kernel.
+CPU_ISAS = ("auto", "generic")
+
+
+def require_native() -> None:
+    """Skips the calling test module when the extension is not built."""
+    try:
+        from contbatch import _C  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"contbatch._C is not built ({exc}); build it with pip install -e . --no-build-isolation",
+                    allow_module_level=True)
+
+
+@contextmanager
+def cpu_isa(isa: str):
+    """Runs the block with CONTBATCH_CPU_ISA=isa (read by the extension on every call)."""
+    old = os.environ.get("CONTBATCH_CPU_ISA")
+    os.environ["CONTBATCH_CPU_ISA"] = isa
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CONTBATCH_CPU_ISA"]
+        else:
+            os.environ["CONTBATCH_CPU_ISA"] = old
+
+
+@contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries -1
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+    def attention_args(self) -> tuple:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc)
+
+
+def random_batch(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Every sequence gets its own physical blocks in shuffled order; the spare blocks and
+    the cache contents past each sequence's length hold random values too, so reading a
+    wrong block or slot changes the result."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq, default=0) + 1  # one unused column of -1
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = torch.tensor(physical[:count], dtype=torch.int32)
+        physical = physical[count:]
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return PagedBatch(
+        query=torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype),
+        key_cache=torch.randn(shape, generator=gen).to(dtype),
+        value_cache=torch.randn(shape, generator=gen).to(dtype),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+    )
