@@ -1,0 +1,220 @@
+"""The ``contbatch`` command line (``python -m contbatch`` too).
+
+``contbatch generate``: a bulk job from a JSONL or text file to a JSONL results file;
+see ``contbatch generate --help`` and docs/bulk_jobs.md.
+"""
+
+import argparse
+import dataclasses
+import functools
+import logging
+import re
+import sys
+import types
+import typing
+
+from contbatch.jobs import run_job
+from contbatch.sampling_params import SamplingParams
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+_EXAMPLES = """examples:
+  contbatch generate --input prompts.jsonl --output results.jsonl --temperature 0 --max-tokens 64
+  contbatch generate -i questions.txt -o answers.jsonl --model ./my-model --dtype float32
+  contbatch generate -i chats.jsonl -o out.jsonl --messages-field messages --on-error stop
+
+Rerunning the same command resumes: ids already in the output are skipped. A JSONL
+line may override sampling with top-level keys named like the flags below
+("max_tokens": 8) or a "sampling_params" object ({"temperature": 0.7}).
+Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
+130 interrupted (Ctrl-C; rerun to resume)."""
+
+# Flags wired for SamplingParams fields that this version may not have yet.
+_EXPECTED_FIELDS = {"n": {"type": int, "metavar": "N"}, "stop": {"action": "append", "metavar": "STR"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("contbatch: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    package_logger = logging.getLogger("contbatch")
+    package_logger.addHandler(handler)
+    try:
+        return args.command(args)
+    finally:
+        package_logger.removeHandler(handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="contbatch", description="Offline batched LLM generation.")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate",
+        help="generate for every record of a JSONL/text file into a resumable JSONL results file",
+        description="Generate a completion for every record of an input file. Results are appended to "
+        "the output as each request finishes (completion order), one JSON object per line: "
+        '{"id", "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}], '
+        '"prompt_tokens", "completion_tokens"}.',
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.set_defaults(command=functools.partial(_generate, generate))
+    _add_job_flags(generate)
+    _add_engine_flags(generate)
+    _add_sampling_flags(generate)
+    return parser
+
+
+def _add_job_flags(parser: argparse.ArgumentParser) -> None:
+    job = parser.add_argument_group("job")
+    job.add_argument("-i", "--input", required=True,
+                     help="input file: JSONL (one object per line) or text (one prompt per line)")
+    job.add_argument("-o", "--output", required=True,
+                     help="results file (JSONL); OUTPUT.meta.json and OUTPUT.errors.jsonl go beside it")
+    job.add_argument("-m", "--model",
+                     help="Hugging Face model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
+    job.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
+                     help="input format; auto: by extension, .jsonl/.ndjson/.json or .txt (default: auto)")
+    fields = job.add_mutually_exclusive_group()
+    fields.add_argument("--prompt-field", default="prompt",
+                        help="JSONL field holding the prompt text (default: prompt)")
+    fields.add_argument("--messages-field",
+                        help="JSONL field holding chat messages [{role, content}]; the chat template is applied")
+    job.add_argument("--id-field", default="id",
+                     help="JSONL field holding the record id, a string or integer; records without it use their "
+                     "line number, as text input does (default: id)")
+    job.add_argument("--on-error", choices=("skip", "stop"), default="skip",
+                     help="bad records (malformed JSON, missing fields, duplicate ids, empty prompts, bad overrides): "
+                     "skip = list them in OUTPUT.errors.jsonl with a warning and run the rest; stop = validate the "
+                     "whole input first and refuse to start if any is bad (default: skip)")
+    job.add_argument("--force", action="store_true",
+                     help="resume even if the existing output was made with other settings "
+                     "(model, dtype, sampling, fields)")
+    job.add_argument("--fsync-every", type=int, default=1000, metavar="N",
+                     help="fsync the output every N records (default: 1000)")
+    job.add_argument("--fsync-interval", type=float, default=5.0, metavar="SECONDS",
+                     help="... or every SECONDS, whichever comes first (default: 5)")
+    job.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="show a progress bar (default: when stderr is a terminal)")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine (see contbatch.LLM)")
+    engine.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: auto)")
+    engine.add_argument("--device", help="auto, cpu or cuda (default: auto)")
+    engine.add_argument("--max-num-seqs", type=int, help="most requests decoded together (default: 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 4096)")
+    engine.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+    engine.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
+                        help="KV cache size (default: 30%% of free RAM)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV cache of shared prompt prefixes (default: on)")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field (bools as --x/--no-x, lists repeatable); help from its docstring."""
+    sampling = parser.add_argument_group("sampling (defaults for every record; see contbatch.SamplingParams)")
+    docs = _field_docs(SamplingParams)
+    hints = typing.get_type_hints(SamplingParams)
+    for field in dataclasses.fields(SamplingParams):
+        kwargs = _flag_kwargs(hints[field.name])
+        if kwargs is None:
+            continue  # a type the command line cannot express; JSONL overrides can still set it
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        help_text = f"{docs.get(field.name, '')} (default: {default!r})".replace("%", "%%")
+        if kwargs.get("action") is not argparse.BooleanOptionalAction:
+            kwargs["metavar"] = field.name.upper()
+        sampling.add_argument(_flag(field.name), dest=f"sampling_{field.name}", help=help_text.strip(), **kwargs)
+    for name, kwargs in _EXPECTED_FIELDS.items():
+        if name not in hints:
+            sampling.add_argument(
+                _flag(name), dest=f"unsupported_{name}", help="not supported by this contbatch version", **kwargs
+            )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _flag_kwargs(annotation: object) -> dict | None:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        # "T | None" is T; "list[T] | T" (one value or several) is list[T].
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        lists = [arg for arg in members if typing.get_origin(arg) is list]
+        if len(members) == 1:
+            annotation = members[0]
+        elif len(lists) == 1 and all(arg is lists[0] or (arg,) == typing.get_args(lists[0]) for arg in members):
+            annotation = lists[0]
+        else:
+            return None
+    args = typing.get_args(annotation)
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if annotation in (int, float, str):
+        return {"type": annotation}
+    if typing.get_origin(annotation) is list and len(args) == 1 and args[0] in (int, float, str):
+        if args[0] is str:  # one value per flag, so values may start with "-" (--stop=-x)
+            return {"type": str, "action": "append"}
+        return {"type": args[0], "nargs": "+", "action": "extend"}
+    return None
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """{field: description} from the "Attributes:" section of a Google-style docstring."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    current = None
+    section = (cls.__doc__ or "").partition("Attributes:")[2]
+    for line in section.splitlines():
+        match = re.match(r"\s*(\w+): (.*)", line)
+        if match and match.group(1) in names:
+            current = match.group(1)
+            docs[current] = match.group(2).strip()
+        elif current and line.strip():
+            docs[current] += " " + line.strip()
+    return docs
+
+
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``contbatch generate``; ``parser`` is its subparser (usage errors name the subcommand)."""
+    unsupported = [name for name in _EXPECTED_FIELDS if getattr(args, f"unsupported_{name}", None) is not None]
+    if unsupported:
+        name = unsupported[0]
+        parser.error(f"{_flag(name)} is not supported by this contbatch version (SamplingParams has no {name!r})")
+    sampling = {key.removeprefix("sampling_"): value for key, value in vars(args).items()
+                if key.startswith("sampling_") and value is not None}
+    try:
+        params = SamplingParams(**sampling)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
+                                                  "max_model_len", "kv_cache_memory", "enable_prefix_caching")}
+    try:
+        summary = run_job(
+            args.input,
+            args.output,
+            model=args.model,
+            sampling_params=params,
+            input_format=args.format,
+            prompt_field=args.prompt_field,
+            messages_field=args.messages_field,
+            id_field=args.id_field,
+            on_error=args.on_error,
+            force=args.force,
+            llm_kwargs={key: value for key, value in engine.items() if value is not None},
+            use_tqdm=sys.stderr.isatty() if args.progress is None else args.progress,
+            fsync_every=args.fsync_every,
+            fsync_interval=args.fsync_interval,
+        )
+    except (OSError, TypeError, ValueError) as exc:
+        print(f"contbatch: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("contbatch: interrupted before generation started; rerun the same command to start", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary.line(), file=sys.stderr)
+    return {"done": 0, "interrupted": EXIT_INTERRUPTED}.get(summary.status, EXIT_ERROR)

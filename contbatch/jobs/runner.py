@@ -1,0 +1,385 @@
+"""run_job: generate for every record of an input file into a results file that survives crashes."""
+
+import dataclasses
+import itertools
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from contbatch.jobs.ledger import Claim, IdLedger
+from contbatch.jobs.output import ErrorLog, ResultWriter
+from contbatch.jobs.reader import BadRecord, RawRecord, detect_format, read_lines
+from contbatch.jobs.records import RecordBuilder
+from contbatch.jobs.settings import check_settings, job_settings, model_fingerprint, write_meta
+from contbatch.llm import LLM
+from contbatch.outputs import CompletionOutput, RequestOutput
+from contbatch.sampling_params import SamplingParams
+
+logger = logging.getLogger("contbatch.jobs")
+
+ON_ERROR = ("skip", "stop")
+MAX_LOGGED_ERRORS = 10
+"""Bad records logged one by one before the rest only go to the errors file."""
+
+
+class JobError(ValueError):
+    """The job refused to start: bad input under on_error="stop", or unusable arguments."""
+
+
+@dataclass
+class JobSummary:
+    """What one run_job call did. ``status``: "done", "interrupted" (SIGINT) or "stopped"
+    (a bad record under on_error="stop" found during generation)."""
+
+    status: str
+    output: Path
+    written: int  # records this run added to the output
+    already_done: int  # input records skipped because an earlier run wrote them
+    errors: int
+    errors_path: Path
+    prompt_tokens: int
+    completion_tokens: int
+    generation_s: float
+    wall_s: float
+
+    def line(self) -> str:
+        errors = f", {self.errors} bad records in {self.errors_path}" if self.errors else ""
+        rate = self.completion_tokens / self.generation_s if self.generation_s > 0 else 0.0
+        hint = _RESUME_HINTS.get(self.status, "")
+        return (
+            f"contbatch: {self.status}: {self.written} records written to {self.output} "
+            f"({self.already_done} already there{errors}); {self.prompt_tokens} prompt + "
+            f"{self.completion_tokens} generated tokens, {rate:.0f} generated tok/s, "
+            f"{self.generation_s:.1f} s generating, {self.wall_s:.1f} s wall{hint}"
+        )
+
+
+_RESUME_HINTS = {
+    "interrupted": "; rerun the same command to resume",
+    "stopped": "; fix the bad record, then rerun the same command to resume",
+}
+
+
+def run_job(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    model: str | Path | None = None,
+    llm: LLM | None = None,
+    sampling_params: SamplingParams | None = None,
+    input_format: str = "auto",
+    prompt_field: str = "prompt",
+    messages_field: str | None = None,
+    id_field: str = "id",
+    on_error: str = "skip",
+    force: bool = False,
+    llm_kwargs: dict | None = None,
+    use_tqdm: bool = False,
+    fsync_every: int = 1000,
+    fsync_interval: float = 5.0,
+) -> JobSummary:
+    """Generate a completion for every record of ``input_path`` into ``output_path`` (JSONL).
+
+    Rerunning the same call after a crash or Ctrl-C resumes: records whose id is in
+    the output already are skipped, a torn last line is cut off, and different
+    settings are refused (SettingsMismatch) unless ``force``. Results are appended
+    as each request finishes, in completion order, one object per line::
+
+        {"id": ..., "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}],
+         "prompt_tokens": n, "completion_tokens": n}
+
+    Args:
+        input_path: JSONL (one object per line) or text (one prompt per line) file.
+        output_path: results file; ``<output>.meta.json`` (settings) and
+            ``<output>.errors.jsonl`` (bad records) are written beside it.
+        model: model directory; default: the demo model. Needed with ``llm`` too
+            (it identifies the model in the settings file).
+        llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
+        sampling_params: defaults for every record; lines may override fields
+            (see contbatch.jobs.records).
+        input_format: "auto" (by extension: .jsonl/.ndjson/.json or .txt), "jsonl" or "text".
+        prompt_field: JSONL field holding the prompt text.
+        messages_field: JSONL field holding chat messages instead (the model's chat
+            template is applied); excludes prompt_field.
+        id_field: JSONL field holding the record id (string or integer); records
+            without it use their line number. Text input always uses line numbers.
+        on_error: "skip" (default): bad records go to the errors file with a warning
+            and the rest run. "stop": the whole input is validated first and any bad
+            record refuses the job (JobError) before generation starts.
+        force: resume even if the stored settings differ.
+        use_tqdm: show a progress bar.
+        fsync_every, fsync_interval: fsync the output every this many records or seconds.
+
+    On SIGINT (in the main thread) no new records are started, in-flight ones finish
+    and are written, and the summary has status "interrupted"; a second SIGINT
+    aborts in-flight requests at once. A result that finished is never lost.
+    """
+    started = time.perf_counter()
+    input_path, output_path = Path(input_path), Path(output_path)
+    input_format = _check_arguments(
+        input_path, output_path, input_format, on_error, prompt_field, messages_field,
+        model, llm, llm_kwargs, fsync_every, fsync_interval,
+    )
+    if model is None:
+        from contbatch.demo_model import demo_model_dir
+
+        model = demo_model_dir()
+    model, params = Path(model), sampling_params or SamplingParams()
+    writer = ResultWriter(output_path, fsync_every, fsync_interval)
+    try:
+        llm = llm or LLM(model, **(llm_kwargs or {}))
+        prompt = {"format": input_format}
+        if input_format == "jsonl":
+            prompt["id_field"] = id_field
+            prompt.update({"messages_field": messages_field} if messages_field else {"prompt_field": prompt_field})
+        settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt)
+        meta_path = output_path.with_name(output_path.name + ".meta.json")
+        rewrite_meta = check_settings(meta_path, settings, writer.num_existing > 0, force)
+        builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
+        job = _Job(input_path, input_format, id_field, builder, writer, on_error)
+        try:
+            if on_error == "stop":
+                job.validate_all()
+            if rewrite_meta:
+                write_meta(meta_path, settings, model)
+            status, generation_s = job.generate(llm, params, use_tqdm)
+        finally:
+            job.errors.close()
+    except BaseException:
+        writer.close(remove_if_unused=True)  # a refused job leaves no empty results file behind
+        raise
+    writer.close()
+    return JobSummary(
+        status=status,
+        output=output_path,
+        written=writer.num_written,
+        already_done=job.already_done,
+        errors=job.errors.count,
+        errors_path=job.errors.path,
+        prompt_tokens=job.prompt_tokens,
+        completion_tokens=job.completion_tokens,
+        generation_s=generation_s,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _check_arguments(
+    input_path: Path, output_path: Path, input_format: str, on_error: str, prompt_field: str,
+    messages_field: str | None, model: object, llm: LLM | None, llm_kwargs: dict | None,
+    fsync_every: int, fsync_interval: float,
+) -> str:
+    """The input format; ValueError (JobError for the files) for arguments that cannot work together."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
+    if messages_field is not None and prompt_field != "prompt":
+        raise ValueError("give prompt_field or messages_field, not both")
+    if llm is not None and model is None:
+        raise ValueError("give model (the directory llm was built from) together with llm: it identifies the results")
+    if llm is not None and llm_kwargs:
+        raise ValueError("llm_kwargs only apply when run_job builds the LLM; give llm or llm_kwargs, not both")
+    if fsync_every < 1 or fsync_interval < 0:
+        raise ValueError(f"fsync_every must be >= 1 and fsync_interval >= 0, got {fsync_every} and {fsync_interval}")
+    if not input_path.is_file():
+        raise JobError(f"input file {str(input_path)!r} does not exist")
+    if input_path.resolve() == output_path.resolve():
+        raise JobError("the output file must not be the input file")
+    input_format = detect_format(input_path, input_format)
+    if input_format == "text" and messages_field is not None:
+        raise ValueError("messages_field needs JSONL input; text input has one prompt per line")
+    return input_format
+
+
+class _Job:
+    def __init__(
+        self,
+        input_path: Path,
+        input_format: str,
+        id_field: str,
+        builder: RecordBuilder,
+        writer: ResultWriter,
+        on_error: str,
+    ) -> None:
+        self.input_path = input_path
+        self.input_format = input_format
+        self.id_field = id_field
+        self.builder = builder
+        self.writer = writer
+        self.on_error = on_error
+        self.errors = ErrorLog(writer.path.with_name(writer.path.name + ".errors.jsonl"))
+        self.already_done = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.input_exhausted = False
+
+    def validate_all(self) -> None:
+        """on_error="stop": read the whole input first; any bad record refuses the job."""
+        listed = []
+        for item in self._prompts(IdLedger(), lambda: False):
+            if isinstance(item, BadRecord):
+                self.errors.write(item.line, item.id, item.error)
+                if len(listed) < MAX_LOGGED_ERRORS:
+                    listed.append(f"line {item.line}: {item.error}")
+        if not listed:
+            return
+        more = f"\n  ... and {self.errors.count - len(listed)} more" if self.errors.count > len(listed) else ""
+        raise JobError(
+            f"{self.errors.count} bad record(s) in {self.input_path}, nothing was generated (on_error='stop'; "
+            f"all listed in {self.errors.path}):\n  " + "\n  ".join(listed) + more
+        )
+
+    def generate(self, llm: LLM, params: SamplingParams, use_tqdm: bool) -> tuple[str, float]:
+        stop = _StopSignal()
+        ledger = IdLedger(self.writer.done_ids)
+        inflight: dict[int, RawRecord] = {}  # iter_generate position -> record; only unfinished ones
+        positions = itertools.count()
+
+        def feed() -> Iterator[dict]:
+            for item in self._prompts(ledger, lambda: stop.requested):
+                if isinstance(item, BadRecord):
+                    self._bad(item, stop)
+                    continue
+                record, prompt = item
+                inflight[next(positions)] = record
+                yield prompt
+
+        started = time.perf_counter()
+        self.input_exhausted = aborted = False
+        outputs = llm.iter_generate(feed(), params, use_tqdm=use_tqdm)
+        with stop.installed(), closing(outputs):
+            try:
+                for output in outputs:
+                    self._finish(inflight.pop(int(output.request_id)), output, stop)
+            except KeyboardInterrupt:
+                aborted = True
+        if stop.failed:
+            status = "stopped"
+        else:
+            status = "done" if self.input_exhausted and not aborted else "interrupted"
+        return status, time.perf_counter() - started
+
+    def _prompts(self, ledger: IdLedger, stopped: Callable[[], bool]) -> Iterator[tuple[RawRecord, dict] | BadRecord]:
+        """Prompts of the records still to do, and bad records; ends early once ``stopped()``."""
+        with closing(read_lines(self.input_path, self.input_format, self.id_field)) as lines:
+            while not stopped():
+                item = next(lines, None)
+                if item is None:
+                    self.input_exhausted = True
+                    return
+                if isinstance(item, BadRecord):
+                    yield item
+                    continue
+                claim = ledger.claim(item.id)
+                if claim is Claim.DONE:
+                    self.already_done += 1
+                elif claim is Claim.DUPLICATE:
+                    yield BadRecord(item.line, item.id, f"duplicate id {item.id!r}: an earlier line has it")
+                else:
+                    try:
+                        yield item, self.builder.build(item)
+                    except (TypeError, ValueError) as exc:
+                        yield BadRecord(item.line, item.id, str(exc))
+
+    def _finish(self, record: RawRecord, output: RequestOutput, stop: "_StopSignal") -> None:
+        if output.error is not None:
+            self._bad(BadRecord(record.line, record.id, output.error), stop)
+            return
+        with stop.writing():
+            self.writer.write(result_record(record.id, output))
+        self.prompt_tokens += len(output.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def _bad(self, item: BadRecord, stop: "_StopSignal") -> None:
+        with stop.writing():
+            self.errors.write(item.line, item.id, item.error)
+        if self.errors.count <= MAX_LOGGED_ERRORS:
+            action = "skipped" if self.on_error == "skip" else "stopping"
+            logger.warning(
+                "%s line %d: %s (%s; listed in %s)", self.input_path, item.line, item.error, action, self.errors.path
+            )
+        elif self.errors.count == MAX_LOGGED_ERRORS + 1:
+            logger.warning("more bad records: see %s", self.errors.path)
+        if self.on_error == "stop":
+            stop.requested = stop.failed = True
+
+
+def result_record(record_id: str | int, output: RequestOutput) -> dict:
+    """The results-file object for one finished request."""
+    completions = [_completion(c) for c in output.outputs]
+    return {
+        "id": record_id,
+        "outputs": completions,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": sum(c["completion_tokens"] for c in completions),
+    }
+
+
+def _completion(completion: CompletionOutput) -> dict:
+    """text, finish_reason, stop_reason and completion_tokens, plus any other field
+    CompletionOutput has that is set (e.g. logprobs), as JSON."""
+    fields = {f.name: getattr(completion, f.name) for f in dataclasses.fields(completion)}
+    token_ids = fields.pop("token_ids")
+    del fields["index"]  # the position in "outputs"
+    result = {"text": fields.pop("text"), "finish_reason": fields.pop("finish_reason"),
+              "stop_reason": fields.pop("stop_reason"), "completion_tokens": len(token_ids)}
+    extra = {name: value for name, value in fields.items() if value is not None}
+    if extra:
+        result.update(json.loads(json.dumps(_plain(extra), default=repr)))
+    return result
+
+
+def _plain(value: object) -> object:
+    """Dataclasses as dicts, recursively (dataclasses.asdict only takes a dataclass)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+class _StopSignal:
+    """SIGINT handling: the first stops admitting new records (in-flight ones finish and are
+    written); the second raises KeyboardInterrupt at once, but never while a line is being written."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.failed = False
+        self._writing = False
+        self._deferred = False
+
+    @contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @contextmanager
+    def writing(self):
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+        if self._deferred:
+            raise KeyboardInterrupt
+
+    def _handle(self, signum, frame) -> None:
+        if not self.requested:
+            self.requested = True
+            logger.warning("interrupted: finishing the requests in flight (Ctrl-C again to abort them now)")
+        elif self._writing:
+            self._deferred = True
+        else:
+            raise KeyboardInterrupt

@@ -1,0 +1,113 @@
+"""The settings fingerprint stored beside a job's results, so a resume cannot mix settings.
+
+``<output>.meta.json`` holds the settings that decide what a record contains: the
+model (a hash of its config and tokenizer files and of the size, head and tail of
+each weight file), dtype, max_model_len, the default SamplingParams and how prompts
+are read. Engine knobs that do not change results (batch sizes, KV cache size) and
+the input path are not part of it.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from contbatch.jobs.output import fsync_directory
+from contbatch.sampling_params import SamplingParams
+
+META_FORMAT = "contbatch-job-meta/1"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SMALL_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
+_SAMPLE_BYTES = 1 << 20
+_ABSENT = object()
+
+
+class SettingsMismatch(ValueError):
+    """The existing results were made with other settings (or have no settings file)."""
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over the files that decide a model's outputs, without reading whole weight files."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        relevant = path.name.endswith(_WEIGHT_SUFFIXES + _SMALL_SUFFIXES) and not path.name.startswith(".")
+        if not (relevant and path.is_file()):
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as source:
+            if path.name.endswith(_WEIGHT_SUFFIXES) and size > 2 * _SAMPLE_BYTES:
+                digest.update(source.read(_SAMPLE_BYTES))
+                source.seek(-_SAMPLE_BYTES, os.SEEK_END)
+            digest.update(source.read())
+    return digest.hexdigest()
+
+
+def job_settings(model_fp: str, dtype: str, max_model_len: int | None, params: SamplingParams, prompt: dict) -> dict:
+    """Flat {"section.key": JSON value} settings that must match between runs of one job."""
+    settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
+    settings.update({f"sampling.{k}": v for k, v in _jsonable(dataclasses.asdict(params)).items()})
+    settings.update({f"prompt.{k}": v for k, v in prompt.items()})
+    return settings
+
+
+def check_settings(meta_path: Path, settings: dict, has_records: bool, force: bool) -> bool:
+    """Whether the meta file must be (re)written; raises SettingsMismatch unless ``force``."""
+    if not meta_path.exists():
+        if has_records and not force:
+            raise SettingsMismatch(
+                f"the output already has results but no settings file {meta_path.name}, so a resume cannot be "
+                "checked; pass --force (force=True) to add to it anyway, or choose another output"
+            )
+        return True
+    stored = json.loads(meta_path.read_text(encoding="utf-8"))
+    differences = list(_differences(stored.get("settings", {}), settings))
+    if not differences:
+        return False
+    if not has_records:
+        return True
+    if not force:
+        raise SettingsMismatch(
+            f"the existing results were made with other settings ({meta_path.name}):\n  "
+            + "\n  ".join(differences)
+            + "\nrerun with the same settings to resume, pass --force (force=True) to continue with the new "
+            "settings anyway (the file then mixes both), or choose another output"
+        )
+    return True
+
+
+def write_meta(meta_path: Path, settings: dict, model_path: Path) -> None:
+    """Atomically replace the meta file (temp file, fsync, rename, fsync the directory)."""
+    meta = {
+        "format": META_FORMAT,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model_path": str(model_path.resolve()),
+        "settings": settings,
+    }
+    temporary = meta_path.with_name(meta_path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8") as out:
+        json.dump(meta, out, indent=1, sort_keys=True)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, meta_path)
+    fsync_directory(meta_path.parent)
+
+
+def _differences(stored: dict, current: dict):
+    # A SamplingParams field added since the results were written counts as its default.
+    defaults = {f"sampling.{k}": v for k, v in _jsonable(dataclasses.asdict(SamplingParams())).items()}
+    for key in sorted(stored.keys() | current.keys()):
+        old = stored.get(key, defaults.get(key, _ABSENT))
+        new = current.get(key, defaults.get(key, _ABSENT))
+        if old != new:
+            yield f"{key}: {_show(old)} in the existing results, {_show(new)} now"
+
+
+def _show(value: object) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value)
+
+
+def _jsonable(value: dict) -> dict:
+    return json.loads(json.dumps(value, default=repr))

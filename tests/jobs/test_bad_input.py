@@ -1,0 +1,130 @@
+"""Bad input records under on_error="skip" (listed, the rest runs) and "stop" (refused up front)."""
+
+import json
+
+import pytest
+
+from contbatch import SamplingParams
+from contbatch.jobs import JobError, run_job
+from tests.jobs.helpers import read_jsonl, write_jsonl
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+BAD_LINES = [
+    ('{"id": "a", "prompt": "fine"}', None),
+    ('{"id": "b", "prompt": "cut off', "malformed JSON"),
+    ('["not", "an", "object"]', "expected a JSON object"),
+    ('{"id": "c"}', "missing field 'prompt'"),
+    ('{"id": "a", "prompt": "again"}', "duplicate id 'a'"),
+    ('{"id": "d", "prompt": "   "}', "empty prompt"),
+    ('{"id": "e", "prompt": 42}', "must be a string"),
+    ('{"id": 1.5, "prompt": "x"}', "must be a string or an integer"),
+    ('{"id": "f", "prompt": "x", "max_tokens": 0}', "max_tokens must be >= 1"),
+    ('{"id": "g", "prompt": "x", "sampling_params": {"temprature": 0.5}}', "unknown sampling parameter"),
+    ('{"id": "h", "prompt": "' + "word " * 300 + '"}', "max_model_len"),  # only the engine can tell
+    ('{"id": "i", "prompt": "also fine"}', None),
+]
+
+
+@pytest.fixture
+def bad_input(tmp_path):
+    return write_jsonl(tmp_path / "in.jsonl", [line for line, _ in BAD_LINES])
+
+
+@pytest.fixture
+def run(tmp_path, chat_model_dir, chat_llm):
+    """run(source, **kwargs): run_job into tmp_path/out.jsonl with the tiny model, greedy."""
+
+    def run_into_out(source, **kwargs):
+        kwargs = dict(model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY) | kwargs
+        return run_job(source, tmp_path / "out.jsonl", **kwargs)
+
+    return run_into_out
+
+
+def test_skip_lists_every_bad_record_with_its_line_and_runs_the_rest(bad_input, run, tmp_path, caplog):
+    output = tmp_path / "out.jsonl"
+    summary = run(bad_input)
+    assert summary.status == "done" and summary.written == 2
+    assert {r["id"] for r in read_jsonl(output)} == {"a", "i"}
+    errors = {e["line"]: e for e in read_jsonl(summary.errors_path)}
+    expected = {number: message for number, (_, message) in enumerate(BAD_LINES, start=1) if message}
+    assert sorted(errors) == sorted(expected)
+    for number, message in expected.items():
+        assert message in errors[number]["error"], (number, errors[number])
+        assert f"line {number}: " in caplog.text
+    assert errors[5]["id"] == "a" and errors[2]["id"] is None
+    # A rerun redoes the bad records (still bad) and rewrites the errors file, not appends to it.
+    again = run(bad_input)
+    assert again.written == 0 and again.errors == len(expected) == len(read_jsonl(again.errors_path))
+
+
+def test_stop_refuses_before_any_work(bad_input, run, tmp_path):
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(JobError) as refused:
+        run(bad_input, on_error="stop")
+    message = str(refused.value)
+    assert "9 bad record(s)" in message and "nothing was generated" in message
+    for number in (2, 3, 4, 5, 6, 7, 8, 9, 10):
+        assert f"line {number}: " in message
+    assert not output.exists() and not (tmp_path / "out.jsonl.meta.json").exists()
+    assert len(read_jsonl(tmp_path / "out.jsonl.errors.jsonl")) == 9
+
+
+def test_stop_halts_on_an_error_only_the_engine_finds(run, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}, {"prompt": "word " * 300}, {"prompt": "later"}])
+    summary = run(source, on_error="stop")
+    assert summary.status == "stopped" and summary.errors == 1
+    assert "fix the bad record" in summary.line()
+
+
+def test_text_input_uses_line_numbers_as_ids_and_skips_blank_lines(run, tmp_path):
+    source = tmp_path / "prompts.txt"
+    source.write_text("first prompt\n\nsecond prompt\r\n   \nthird prompt")
+    summary = run(source)
+    assert summary.written == 3 and summary.errors == 0
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [1, 3, 5]
+
+
+def test_line_overrides_top_level_and_nested(run, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "top", "prompt": "x", "max_tokens": 2},
+        {"id": "nested", "prompt": "x", "max_tokens": 2, "sampling_params": {"max_tokens": 3}},
+        {"id": "default", "prompt": "x"},
+    ])
+    run(source, sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    tokens = {r["id"]: r["completion_tokens"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert tokens == {"top": 2, "nested": 3, "default": 5}
+
+
+def test_messages_field_applies_the_chat_template(run, tmp_path, chat_llm):
+    messages = [{"role": "user", "content": "hi there"}]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "messages": messages}, {"id": 2, "messages": []}])
+    summary = run(source, messages_field="messages")
+    (record,) = read_jsonl(tmp_path / "out.jsonl")
+    tokenizer = chat_llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert record["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert summary.errors == 1 and "non-empty list" in read_jsonl(summary.errors_path)[0]["error"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(on_error="maybe"), "on_error must be"),
+        (dict(input_format="csv"), "input_format must be"),
+        (dict(prompt_field="text", messages_field="messages"), "not both"),
+    ],
+)
+def test_bad_arguments(run, tmp_path, kwargs, message):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ValueError, match=message):
+        run(source, **kwargs)
+
+
+def test_unknown_extension_needs_a_format(run, tmp_path):
+    source = tmp_path / "prompts.data"
+    source.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        run(source)
+    assert run(source, input_format="jsonl").written == 1

@@ -1,0 +1,115 @@
+"""contbatch generate: flags, help, exit codes (in process; the subprocess runs are in test_crash.py)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from contbatch import SamplingParams
+from contbatch.cli import build_parser, main
+from tests.jobs.helpers import read_jsonl, write_jsonl
+
+EXPLICIT_SAMPLING_FLAGS = [
+    "--temperature", "--top-p", "--top-k", "--min-p", "--max-tokens",
+    "--min-tokens", "--seed", "--ignore-eos", "--n", "--stop",
+]
+
+
+def _generate_parser():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "==SUPPRESS==" and a.choices]
+    return subparsers.choices["generate"]
+
+
+def test_help_documents_every_flag_with_examples(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "examples:" in text and "contbatch generate --input prompts.jsonl" in text
+    for flag in EXPLICIT_SAMPLING_FLAGS:
+        assert flag in text
+    for action in _generate_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+
+
+def test_every_sampling_field_gets_a_flag_or_a_reason():
+    flags = {s for a in _generate_parser()._actions for s in a.option_strings}
+    missing = [f.name for f in dataclasses.fields(SamplingParams) if "--" + f.name.replace("_", "-") not in flags]
+    assert set(missing) <= {"structured_outputs"}, missing  # free-form objects: JSONL overrides only
+
+
+def _cli(tmp_path, model_dir, *extra):
+    source = tmp_path / "in.jsonl"
+    if not source.exists():
+        write_jsonl(source, [{"id": i, "prompt": f"prompt {i}"} for i in range(3)])
+    return main(["generate", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "-m", str(model_dir),
+                 "--dtype", "float32", "--temperature", "0", "--max-tokens", "3", *extra])
+
+
+def test_runs_and_prints_one_summary_line(tmp_path, chat_model_dir, capsys):
+    assert _cli(tmp_path, chat_model_dir, "--max-num-seqs", "2") == 0
+    summary = [line for line in capsys.readouterr().err.splitlines() if "records written" in line]
+    assert len(summary) == 1 and "done: 3 records written" in summary[0] and "tok/s" in summary[0]
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("flag, value, field, expected", [("--n", "2", "n", 2), ("--stop", "zz", "stop", ["zz"])])
+def test_n_and_stop_pass_through_or_are_refused_cleanly(tmp_path, chat_model_dir, capsys, flag, value, field, expected):
+    if field not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        with pytest.raises(SystemExit) as exited:
+            _cli(tmp_path, chat_model_dir, flag, value)
+        assert exited.value.code == 2
+        assert f"{flag} is not supported by this contbatch version" in capsys.readouterr().err
+        return
+    assert _cli(tmp_path, chat_model_dir, flag, value) == 0
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    assert meta["settings"][f"sampling.{field}"] == expected
+    if field == "n":
+        assert all(len(r["outputs"]) == 2 for r in read_jsonl(tmp_path / "out.jsonl"))
+
+
+def test_invalid_sampling_value_is_a_usage_error(tmp_path, chat_model_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _cli(tmp_path, chat_model_dir, "--top-p", "0")
+    assert exited.value.code == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_job_errors_exit_1_with_the_reason(tmp_path, chat_model_dir, capsys):
+    assert _cli(tmp_path, chat_model_dir) == 0
+    assert _cli(tmp_path, chat_model_dir, "--max-tokens", "4") == 1
+    err = capsys.readouterr().err
+    assert "contbatch: error: the existing results were made with other settings" in err and "--force" in err
+    assert _cli(tmp_path, chat_model_dir, "--max-tokens", "4", "--force") == 0
+
+
+def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypatch):
+    import contbatch.demo_model
+
+    monkeypatch.setattr(contbatch.demo_model, "demo_model_dir", lambda: chat_model_dir)
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    files = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert main(["generate", *files, "--dtype", "float32", "--max-tokens", "2"]) == 0
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["model_path"] == str(chat_model_dir.resolve())
+
+
+@dataclasses.dataclass
+class _SamplingParamsWithoutNOrStop:
+    """Attributes:
+    temperature: 0 means greedy.
+    max_tokens: most tokens.
+    """
+
+    temperature: float = 1.0
+    max_tokens: int = 16
+
+
+@pytest.mark.parametrize("flag, value", [("--n", "2"), ("--stop", "zz")])
+def test_n_and_stop_are_refused_cleanly_by_a_version_without_them(tmp_path, monkeypatch, capsys, flag, value):
+    import contbatch.cli
+
+    monkeypatch.setattr(contbatch.cli, "SamplingParams", _SamplingParamsWithoutNOrStop)
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), flag, value])
+    assert exited.value.code == 2
+    assert f"{flag} is not supported by this contbatch version" in capsys.readouterr().err

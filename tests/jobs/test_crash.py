@@ -1,0 +1,136 @@
+"""Jobs killed (SIGKILL) or interrupted (SIGINT) part-way, then resumed, lose and duplicate nothing.
+
+The job runs as `python -m contbatch generate` in a subprocess; the reference is an
+uninterrupted in-process run of the same greedy job.
+"""
+
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from contbatch import SamplingParams
+from contbatch.jobs import run_job
+from contbatch.jobs.output import HANG_AT_ENV
+from tests.jobs.helpers import cli_command, cli_env, prompt_records, read_jsonl, start_cli, write_jsonl
+
+NUM_PROMPTS = 300
+GREEDY = SamplingParams(temperature=0, max_tokens=8)  # what cli_command asks for
+ENGINE_FLAGS = ("--max-num-seqs", "16", "--fsync-every", "50")  # small batches: results trickle out
+STARTUP_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def crash_input(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("crash") / "in.jsonl", prompt_records(NUM_PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def reference(crash_input, chat_model_dir, chat_llm, tmp_path_factory) -> dict:
+    output = tmp_path_factory.mktemp("reference") / "out.jsonl"
+    summary = run_job(crash_input, output, model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY)
+    assert summary.written == NUM_PROMPTS
+    return {record["id"]: record for record in read_jsonl(output)}
+
+
+def _torn(path) -> bool:
+    return path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+
+
+def _lines(path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _wait_for(condition, process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"job exited ({process.returncode}) before {what}: {process.stderr.read()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _kill(process: subprocess.Popen) -> str:
+    process.send_signal(signal.SIGKILL)
+    return process.communicate()[1]
+
+
+def _assert_complete(output, reference) -> None:
+    records = read_jsonl(output)  # every line parses: no torn line survived
+    ids = [record["id"] for record in records]
+    assert len(ids) == len(set(ids)), "duplicated records"
+    assert set(ids) == set(reference), f"lost records: {sorted(set(reference) - set(ids))[:10]}"
+    for record in records:
+        assert record == reference[record["id"]]
+
+
+def test_sigkill_at_random_moments_then_resume(crash_input, reference, chat_model_dir, tmp_path):
+    output = tmp_path / "out.jsonl"
+    command = cli_command(crash_input, output, chat_model_dir, *ENGINE_FLAGS)
+    seed = random.randrange(2**32)
+    print(f"kill points drawn with random.Random({seed})")  # shown if the test fails
+    rng = random.Random(seed)
+    for round_number in range(4):
+        before = _lines(output)
+        if round_number % 2 == 0:  # killed mid-write: the hook hangs half-way through a record
+            process = start_cli(command, **{HANG_AT_ENV: str(rng.randint(1, 40))})
+            _wait_for(lambda: _torn(output), process, "a torn line")
+            _kill(process)
+        else:  # killed at a random point of its progress; first it repairs the torn line
+            process = start_cli(command)
+            target = before + rng.randint(1, 40)
+            _wait_for(lambda: _lines(output) >= target, process, f"{target} results")
+            assert "cut off a torn last line" in _kill(process)
+        assert _lines(output) < NUM_PROMPTS, "the job finished before it could be killed; make it longer"
+    finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert "contbatch: done:" in finished.stderr
+    _assert_complete(output, reference)
+
+
+def test_sigint_finishes_in_flight_requests_and_exits_130(crash_input, reference, chat_model_dir, chat_llm, tmp_path):
+    output = tmp_path / "out.jsonl"
+    process = start_cli(cli_command(crash_input, output, chat_model_dir, *ENGINE_FLAGS))
+    _wait_for(lambda: _lines(output) > 0, process, "the first result")
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "finishing the requests in flight" in stderr and "rerun the same command to resume" in stderr
+    written = read_jsonl(output)
+    assert 0 < len(written) < NUM_PROMPTS and output.read_bytes().endswith(b"\n")
+    summary = run_job(crash_input, output, model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY)
+    assert summary.already_done == len(written) and summary.status == "done"
+    _assert_complete(output, reference)
+
+
+def test_second_sigint_aborts_at_once_without_tearing_a_line(crash_input, chat_model_dir, tmp_path):
+    output = tmp_path / "out.jsonl"
+    process = start_cli(cli_command(crash_input, output, chat_model_dir, *ENGINE_FLAGS))
+    _wait_for(lambda: _lines(output) > 0, process, "the first result")
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted:" in stderr and output.read_bytes().endswith(b"\n")
+    assert len(read_jsonl(output)) < NUM_PROMPTS
+
+
+def test_a_second_sigint_during_a_write_waits_for_the_line_to_finish():
+    from contbatch.jobs.runner import _StopSignal
+
+    stop = _StopSignal()
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested
+    written = []
+    with pytest.raises(KeyboardInterrupt):
+        with stop.writing():
+            stop._handle(signal.SIGINT, None)  # arrives mid-write: deferred
+            written.append("the rest of the line")
+    assert written == ["the rest of the line"]
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)  # outside a write: at once
