@@ -6,35 +6,55 @@
 //      so every K row is loaded from memory once for all of them;
 //   2. updates each row's online softmax (running max m, running sum l) in fp32;
 //   3. accumulates p * V into the rows, a few rows at a time with their accumulators in
-//      registers, each V row converted to fp32 once per few rows.
+//      registers, each V row loaded once per few rows: fp32 FMAs, or for bf16 on AVX512_BF16
+//      vdpbf16ps on bf16-rounded p (two keys per instruction, fp32 sums; see simd_avx512.h).
 // Layouts: attention_kernel_api.h.
 
-constexpr int kChunk = 16;
+constexpr int kChunk = kLanes;  // key positions per chunk: one vector of scores per row
 constexpr float kLog2e = 1.44269504088896341f;
 // Scores are kept in base 2 (scale * log2 e folded in) and the running max m is raised only
 // when a score exceeds it by more than this: exp2(score - m) then stays below 2^8, which
 // fp32 holds with room to spare, and most chunks skip the horizontal max and the rescale.
 constexpr float kRescaleSlack = 8.0f;
 
-// Rows whose accumulators stay in registers during accumulate_pv: RB * NC of them plus NC
-// for the V row must fit the 32 vector registers.
+// Rows whose accumulators stay in registers while p * V is accumulated: RB * NC of them
+// plus the V row's NC must fit the 32 vector registers.
 template <int NC>
 constexpr int max_row_block() {
   return NC <= 5 ? 4 : NC <= 6 ? 3 : NC <= 8 ? 2 : 1;
 }
 
-// acc[r] = alpha[r] * acc[r] + sum_t prob[r][t] * V[t] for RB rows, t < n. Each V row is
-// loaded (and converted from bf16) once for the RB rows, which each keep NC independent
-// FMA chains.
+template <int N>
+struct RowBlock {
+  static constexpr int size = N;
+};
+
+// Calls block(RowBlock<B>{}, r) for rows [0, rows): blocks of kBlock rows, then one smaller.
+template <int kBlock, class F>
+inline void for_row_blocks(int rows, const F& block) {
+  int r = 0;
+  for (; r + kBlock <= rows; r += kBlock) block(RowBlock<kBlock>{}, r);
+  const int left = rows - r;
+  if constexpr (kBlock > 3) {
+    if (left == 3) return block(RowBlock<3>{}, r);
+  }
+  if constexpr (kBlock > 2) {
+    if (left == 2) return block(RowBlock<2>{}, r);
+  }
+  if constexpr (kBlock > 1) {
+    if (left == 1) return block(RowBlock<1>{}, r);
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_t prob[r][t] * V[t] for RB rows (row stride acc_len),
+// t < n, in fp32. Each V row is loaded (and converted from bf16) once for the RB rows,
+// which each keep NC independent FMA chains.
 template <int NC, int RB, class T>
-inline void accumulate_pv(float (*acc)[16 * NC], const float* alpha, const float (*prob)[kChunk],
+inline void accumulate_pv(float* acc, int acc_len, const float* alpha, const float (*prob)[kChunk],
                           const T* const* v_rows, int n) {
   Vec16 a[RB][NC] = {};
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < NC; ++c) a[r][c] = vload(acc[r] + 16 * c);
-    if (alpha[r] != 1.0f) {
-      for (int c = 0; c < NC; ++c) a[r][c] = vmul(a[r][c], vset1(alpha[r]));
-    }
+    for (int c = 0; c < NC; ++c) a[r][c] = vmul(vload(acc + r * acc_len + 16 * c), vset1(alpha[r]));
   }
   for (int t = 0; t < n; ++t) {
     Vec16 v[NC];
@@ -45,21 +65,7 @@ inline void accumulate_pv(float (*acc)[16 * NC], const float* alpha, const float
     }
   }
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < NC; ++c) vstore(acc[r] + 16 * c, a[r][c]);
-  }
-}
-
-template <int NC, class T>
-inline void accumulate_pv_rows(float (*acc)[16 * NC], const float* alpha, const float (*prob)[kChunk],
-                               const T* const* v_rows, int n, int rows) {
-  constexpr int kBlock = max_row_block<NC>();
-  int r = 0;
-  for (; r + kBlock <= rows; r += kBlock) accumulate_pv<NC, kBlock>(acc + r, alpha + r, prob + r, v_rows, n);
-  switch (rows - r) {  // at most kBlock - 1 rows left
-    case 3: if constexpr (kBlock > 3) return accumulate_pv<NC, 3>(acc + r, alpha + r, prob + r, v_rows, n); break;
-    case 2: if constexpr (kBlock > 2) return accumulate_pv<NC, 2>(acc + r, alpha + r, prob + r, v_rows, n); break;
-    case 1: if constexpr (kBlock > 1) return accumulate_pv<NC, 1>(acc + r, alpha + r, prob + r, v_rows, n); break;
-    default: break;
+    for (int c = 0; c < NC; ++c) vstore(acc + r * acc_len + 16 * c, a[r][c]);
   }
 }
 
@@ -70,9 +76,13 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
   const int heads = item.num_heads;
   const int rows = heads * item.num_queries;
 
+  constexpr int kAccLen = acc_row_len<T, NC>();
   alignas(64) T query[kMaxRows][kQueryLen];
-  alignas(64) float acc[kMaxRows][D];
+  alignas(64) float acc[kMaxRows][kAccLen];
   alignas(64) float prob[kMaxRows][kChunk];
+#ifdef CONTBATCH_BF16_PAIR_PV
+  alignas(64) uint16_t prob_bf16[kMaxRows][kChunk];
+#endif
   alignas(64) float l[kMaxRows][16];  // per-lane partial sums of the softmax denominator
   float m[kMaxRows], alpha[kMaxRows];
   int32_t row_lo[kMaxRows], row_hi[kMaxRows];  // key positions [lo, hi) of each row
@@ -83,7 +93,7 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
     const T* src = q_base + (item.token_begin + qi) * args.query_token_stride +
                    (item.head_begin + h) * args.query_head_stride;
     for (int d = 0; d < kQueryLen; ++d) query[r][d] = d < D ? src[d] : T(0);
-    for (int d = 0; d < D; ++d) acc[r][d] = 0.0f;
+    for (int d = 0; d < kAccLen; ++d) acc[r][d] = 0.0f;
     m[r] = -INFINITY;
     vstore(l[r], vzero());
     const int32_t pos = item.pos_begin + qi;
@@ -98,47 +108,55 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
   const T* k_rows[kChunk];
   const T* v_rows[kChunk];
 
-  // Row offsets of the current and the next chunk: the next one is prefetched while the
-  // current one is computed, since blocks are scattered and K/V come from DRAM.
-  int64_t row_at[2][kChunk];
-  auto locate_chunk = [&](int32_t c0, int64_t* at) {
+  // Row offsets of the chunks kv_begin + i * kChunk, i = 0, 1, 2, ... in a ring of three:
+  // the current one and the two after it, which are prefetched into L2 while the current
+  // one is computed (blocks are scattered, so K/V come from DRAM without a usable stream).
+  // Re-prefetching the next chunk measured faster than prefetching each chunk once.
+  int64_t row_at[3][kChunk];
+  int chunk_len[3] = {0, 0, 0};
+  auto locate_chunk = [&](int i) {
+    const int32_t c0 = item.kv_begin + i * kChunk;
     const int n = item.kv_end - c0 < kChunk ? item.kv_end - c0 : kChunk;
     int64_t block = c0 / args.block_size, offset = c0 % args.block_size;
     for (int t = 0; t < n; ++t) {
-      at[t] = table[block] * args.cache_block_stride + offset * D;
+      row_at[i % 3][t] = table[block] * args.cache_block_stride + offset * D;
       if (++offset == args.block_size) {
         offset = 0;
         ++block;
       }
     }
-    return n;
+    chunk_len[i % 3] = n;
   };
-  int n_next = locate_chunk(item.kv_begin, row_at[0]);
-
-  for (int32_t c0 = item.kv_begin, chunk = 0; c0 < item.kv_end; c0 += kChunk, ++chunk) {
-    const int n = n_next;
-    const int64_t* at = row_at[chunk & 1];
-    for (int t = 0; t < n; ++t) {
-      k_rows[t] = k_base + at[t];
-      v_rows[t] = v_base + at[t];
-    }
-    for (int t = n; t < kChunk; ++t) k_rows[t] = k_rows[0];  // scored, then masked out
-    if (c0 + kChunk < item.kv_end) {
-      int64_t* next_at = row_at[(chunk + 1) & 1];
-      n_next = locate_chunk(c0 + kChunk, next_at);
-      for (int t = 0; t < n_next; ++t) {
-        for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_base + next_at[t]) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_base + next_at[t]) + byte);
-        }
+  auto prefetch_chunk = [&](int i) {
+    for (int t = 0; t < chunk_len[i % 3]; ++t) {
+      for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_base + row_at[i % 3][t]) + byte, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_base + row_at[i % 3][t]) + byte, 0, 2);
       }
     }
+  };
+  const int num_chunks = (item.kv_end - item.kv_begin + kChunk - 1) / kChunk;
+  for (int i = 0; i < 2 && i < num_chunks; ++i) locate_chunk(i);
+
+  for (int chunk = 0; chunk < num_chunks; ++chunk) {
+    const int32_t c0 = item.kv_begin + chunk * kChunk;
+    const int n = chunk_len[chunk % 3];
+    for (int t = 0; t < n; ++t) {
+      k_rows[t] = k_base + row_at[chunk % 3][t];
+      v_rows[t] = v_base + row_at[chunk % 3][t];
+    }
+    for (int t = n; t < kChunk; ++t) k_rows[t] = k_rows[0];  // scored, then masked out
+    if (chunk + 2 < num_chunks) locate_chunk(chunk + 2);
+    for (int i = chunk + 1; i < chunk + 3 && i < num_chunks; ++i) prefetch_chunk(i);
 
     for (int r = 0; r < rows; ++r) {
       const int lo = (row_lo[r] > c0 ? row_lo[r] : c0) - c0;
       const int hi = (row_hi[r] < c0 + n ? row_hi[r] : c0 + n) - c0;
       if (lo >= hi) {  // no key of this chunk is visible to the row
         vstore(prob[r], vzero());
+#ifdef CONTBATCH_BF16_PAIR_PV
+        round_to_bf16(vzero(), prob_bf16[r]);
+#endif
         alpha[r] = 1.0f;
         continue;
       }
@@ -150,13 +168,33 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
         alpha[r] = std::exp2(m[r] - chunk_max);
         m[r] = chunk_max;
       }
-      const Vec16 p = vmaskz(keep, vexp2(vsub(s, vset1(m[r]))));
+      Vec16 p = vmaskz(keep, vexp2(vsub(s, vset1(m[r]))));
+#ifdef CONTBATCH_BF16_PAIR_PV
+      if constexpr (sizeof(T) == 2) p = round_to_bf16(p, prob_bf16[r]);  // l sums what p * V uses
+#endif
       vstore(l[r], vfma(vload(l[r]), vset1(alpha[r]), p));
       vstore(prob[r], p);
     }
-    accumulate_pv_rows<NC>(acc, alpha, prob, v_rows, n, rows);
+
+#ifdef CONTBATCH_BF16_PAIR_PV
+    if constexpr (sizeof(T) == 2) {
+      for_row_blocks<max_row_block<NC>()>(rows, [&](auto block, int r) {
+        accumulate_pv_pairs<NC, decltype(block)::size>(acc[r], kAccLen, alpha + r, prob_bf16 + r, v_rows, n);
+      });
+    } else
+#endif
+    {
+      for_row_blocks<max_row_block<NC>()>(rows, [&](auto block, int r) {
+        accumulate_pv<NC, decltype(block)::size>(acc[r], kAccLen, alpha + r, prob + r, v_rows, n);
+      });
+    }
   }
 
+#ifdef CONTBATCH_BF16_PAIR_PV
+  if constexpr (sizeof(T) == 2) {
+    for (int r = 0; r < rows; ++r) unpermute_pairs<NC>(acc[r]);
+  }
+#endif
   if (item.partial >= 0) {
     float* part = partials + item.partial;
     for (int r = 0; r < rows; ++r) {

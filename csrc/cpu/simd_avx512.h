@@ -64,11 +64,17 @@ inline Vec16 vsum_transpose(Vec16 v[16]) {
   return vadd(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88), _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-// Query row layout for qk_tile: fp32 rows as they are; bf16 rows zero-padded to a multiple
-// of 32 so the tail pair-chunk can be loaded whole.
+constexpr int kLanes = 16;
+
+// Query rows for qk_tile and accumulator rows for accumulate_pv_pairs: fp32 as they are,
+// bf16 zero-padded to a multiple of 32 elements (whole bf16 pair chunks).
 template <class T, int NC>
 constexpr int query_row_len() {
   return sizeof(T) == 2 ? (NC + 1) / 2 * 32 : NC * 16;
+}
+template <class T, int NC>
+constexpr int acc_row_len() {
+  return query_row_len<T, NC>();
 }
 
 // Lane t: dot(q, k_rows[t]) over 16 * NC elements, for 16 key rows.
@@ -104,4 +110,64 @@ inline Vec16 qk_tile(const uint16_t* q, const uint16_t* const* k_rows) {
     }
   }
   return vsum_transpose(acc);
+}
+
+// bf16 p * V by vdpbf16ps, two keys per instruction. ------------------------------------
+#define CONTBATCH_BF16_PAIR_PV 1
+
+// Rounds p to bf16 into `out` and returns the rounded values as fp32.
+inline Vec16 round_to_bf16(Vec16 p, uint16_t* out) {
+  const __m256i bf16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
+// 32 bf16 of a V row from element 32 * j; the last chunk of an odd NC holds 16, zero-padded.
+template <int NC>
+inline __m512i load_v_chunk(const uint16_t* row, int j) {
+  if (NC % 2 == 1 && j == NC / 2) return _mm512_maskz_loadu_epi16(0xFFFF, row + 32 * j);
+  return _mm512_loadu_si512(row + 32 * j);
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_t prob[r][t] * V[t] for RB rows, t < n, with p in bf16
+// (products exact, sums in fp32). V rows t and t + 1 are interleaved by unpack{lo,hi}_epi16,
+// so lane k of accumulator 2j (2j + 1) holds, of the 32 dims of chunk j, dim
+// 8 * (k / 4) + k % 4 (that + 4); unpermute_pairs restores the natural order.
+template <int NC, int RB>
+inline void accumulate_pv_pairs(float* acc, int acc_len, const float* alpha, const uint16_t (*prob)[kLanes],
+                                const uint16_t* const* v_rows, int n) {
+  constexpr int kPairs = (NC + 1) / 2;
+  Vec16 a[RB][2 * kPairs];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < 2 * kPairs; ++c) a[r][c] = vmul(vload(acc + r * acc_len + 16 * c), vset1(alpha[r]));
+  }
+  for (int t = 0; t < n; t += 2) {
+    __m512bh v[2 * kPairs];
+    for (int j = 0; j < kPairs; ++j) {
+      const __m512i even = load_v_chunk<NC>(v_rows[t], j);
+      const __m512i odd = t + 1 < n ? load_v_chunk<NC>(v_rows[t + 1], j) : _mm512_setzero_si512();
+      v[2 * j] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(even, odd));
+      v[2 * j + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(even, odd));
+    }
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;  // (p[t], p[t + 1]); p[n] is 0
+      std::memcpy(&pair, &prob[r][t], sizeof pair);
+      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int c = 0; c < 2 * kPairs; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < 2 * kPairs; ++c) vstore(acc + r * acc_len + 16 * c, a[r][c]);
+  }
+}
+
+template <int NC>
+inline void unpermute_pairs(float* acc) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < (NC + 1) / 2; ++j) {
+    const Vec16 lo = vload(acc + 32 * j), hi = vload(acc + 32 * j + 16);
+    vstore(acc + 32 * j, _mm512_permutex2var_ps(lo, first, hi));
+    vstore(acc + 32 * j + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
 }

@@ -84,8 +84,14 @@ inline Vec16 vexp2(Vec16 x) {
   return x;
 }
 
+constexpr int kLanes = 16;
+
 template <class T, int NC>
 constexpr int query_row_len() {
+  return NC * 16;
+}
+template <class T, int NC>
+constexpr int acc_row_len() {
   return NC * 16;
 }
 
