@@ -47,7 +47,7 @@ build_start=$SECONDS
 echo "build_cuda: extension built in $((SECONDS - build_start)) s"
 
 library=$(ls "$scratch"/contbatch/_C*.so)
-"$venv/bin/python" - "$library" <<'PY'
+"$venv/bin/python" -W ignore::UserWarning - "$library" <<'PY'
 import sys
 
 import torch

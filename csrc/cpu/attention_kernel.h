@@ -69,148 +69,192 @@ inline void accumulate_pv(float* acc, int acc_len, const float* alpha, const flo
   }
 }
 
+// The rows of one work item, on the stack: row r is query token r / heads, head r % heads.
 template <class T, int NC>
-void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
-  constexpr int D = 16 * NC;
-  constexpr int kQueryLen = query_row_len<T, NC>();
-  const int heads = item.num_heads;
-  const int rows = heads * item.num_queries;
-
-  constexpr int kAccLen = acc_row_len<T, NC>();
+struct Rows {
+  static constexpr int kD = 16 * NC;
+  static constexpr int kQueryLen = query_row_len<T, NC>();
+  static constexpr int kAccLen = acc_row_len<T, NC>();
+  int count;
   alignas(64) T query[kMaxRows][kQueryLen];
-  alignas(64) float acc[kMaxRows][kAccLen];
-  alignas(64) float prob[kMaxRows][kChunk];
+  alignas(64) float acc[kMaxRows][kAccLen];  // sum of p * V
+  alignas(64) float prob[kMaxRows][kChunk];  // p of the current chunk
 #ifdef CONTBATCH_BF16_PAIR_PV
   alignas(64) uint16_t prob_bf16[kMaxRows][kChunk];
 #endif
-  alignas(64) float l[kMaxRows][16];  // per-lane partial sums of the softmax denominator
-  float m[kMaxRows], alpha[kMaxRows];
-  int32_t row_lo[kMaxRows], row_hi[kMaxRows];  // key positions [lo, hi) of each row
+  alignas(64) float l[kMaxRows][kLanes];  // per-lane partial sums of the softmax denominator
+  float m[kMaxRows];                      // running max of the base-2 scores
+  float alpha[kMaxRows];                  // this chunk's rescale of acc and l
+  int32_t lo[kMaxRows], hi[kMaxRows];     // visible key positions [lo, hi)
+};
 
+template <class T, int NC>
+void load_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& item) {
+  rows.count = item.num_heads * item.num_queries;
   const T* q_base = static_cast<const T*>(args.query);
-  for (int r = 0; r < rows; ++r) {
-    const int qi = r / heads, h = r % heads;
+  for (int r = 0; r < rows.count; ++r) {
+    const int qi = r / item.num_heads, h = r % item.num_heads;
     const T* src = q_base + (item.token_begin + qi) * args.query_token_stride +
                    (item.head_begin + h) * args.query_head_stride;
-    for (int d = 0; d < kQueryLen; ++d) query[r][d] = d < D ? src[d] : T(0);
-    for (int d = 0; d < kAccLen; ++d) acc[r][d] = 0.0f;
-    m[r] = -INFINITY;
-    vstore(l[r], vzero());
+    for (int d = 0; d < rows.kQueryLen; ++d) rows.query[r][d] = d < rows.kD ? src[d] : T(0);
+    for (int d = 0; d < rows.kAccLen; ++d) rows.acc[r][d] = 0.0f;
+    vstore(rows.l[r], vzero());
+    rows.m[r] = -INFINITY;
     const int32_t pos = item.pos_begin + qi;
-    row_hi[r] = pos + 1;
-    row_lo[r] = args.sliding_window > 0 && pos + 1 > args.sliding_window ? pos + 1 - args.sliding_window : 0;
+    rows.hi[r] = pos + 1;
+    rows.lo[r] = args.sliding_window > 0 && pos + 1 > args.sliding_window ? pos + 1 - args.sliding_window : 0;
   }
+}
 
-  const int32_t* table = args.block_tables + item.seq * args.block_table_stride;
-  const T* k_base = static_cast<const T*>(args.key_cache) + item.kv_head * args.cache_head_stride;
-  const T* v_base = static_cast<const T*>(args.value_cache) + item.kv_head * args.cache_head_stride;
-  const Vec16 scale_log2 = vset1(args.scale * kLog2e);
-  const T* k_rows[kChunk];
-  const T* v_rows[kChunk];
-
-  // Row offsets of the chunks kv_begin + i * kChunk, i = 0, 1, 2, ... in a ring of three:
-  // the current one and the two after it, which are prefetched into L2 while the current
-  // one is computed (blocks are scattered, so K/V come from DRAM without a usable stream).
-  // Re-prefetching the next chunk measured faster than prefetching each chunk once.
-  int64_t row_at[3][kChunk];
-  int chunk_len[3] = {0, 0, 0};
-  auto locate_chunk = [&](int i) {
-    const int32_t c0 = item.kv_begin + i * kChunk;
-    const int n = item.kv_end - c0 < kChunk ? item.kv_end - c0 : kChunk;
-    int64_t block = c0 / args.block_size, offset = c0 % args.block_size;
-    for (int t = 0; t < n; ++t) {
-      row_at[i % 3][t] = table[block] * args.cache_block_stride + offset * D;
-      if (++offset == args.block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-    chunk_len[i % 3] = n;
-  };
-  auto prefetch_chunk = [&](int i) {
-    for (int t = 0; t < chunk_len[i % 3]; ++t) {
-      for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_base + row_at[i % 3][t]) + byte, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_base + row_at[i % 3][t]) + byte, 0, 2);
-      }
-    }
-  };
-  const int num_chunks = (item.kv_end - item.kv_begin + kChunk - 1) / kChunk;
-  for (int i = 0; i < 2 && i < num_chunks; ++i) locate_chunk(i);
-
-  for (int chunk = 0; chunk < num_chunks; ++chunk) {
-    const int32_t c0 = item.kv_begin + chunk * kChunk;
-    const int n = chunk_len[chunk % 3];
-    for (int t = 0; t < n; ++t) {
-      k_rows[t] = k_base + row_at[chunk % 3][t];
-      v_rows[t] = v_base + row_at[chunk % 3][t];
-    }
-    for (int t = n; t < kChunk; ++t) k_rows[t] = k_rows[0];  // scored, then masked out
-    if (chunk + 2 < num_chunks) locate_chunk(chunk + 2);
-    for (int i = chunk + 1; i < chunk + 3 && i < num_chunks; ++i) prefetch_chunk(i);
-
-    for (int r = 0; r < rows; ++r) {
-      const int lo = (row_lo[r] > c0 ? row_lo[r] : c0) - c0;
-      const int hi = (row_hi[r] < c0 + n ? row_hi[r] : c0 + n) - c0;
-      if (lo >= hi) {  // no key of this chunk is visible to the row
-        vstore(prob[r], vzero());
-#ifdef CONTBATCH_BF16_PAIR_PV
-        round_to_bf16(vzero(), prob_bf16[r]);
-#endif
-        alpha[r] = 1.0f;
-        continue;
-      }
+// Scores the chunk's n keys (at positions c0..) for every row and updates the row's online
+// softmax, leaving the chunk's probabilities in rows.prob (and rows.prob_bf16).
+template <class T, int NC>
+void softmax_chunk(Rows<T, NC>& rows, const T* const* k_rows, int32_t c0, int n, Vec16 scale_log2) {
+  const int count = rows.count;  // a local: the vector stores below may alias any member
+  for (int r = 0; r < count; ++r) {
+    const int lo = (rows.lo[r] > c0 ? rows.lo[r] : c0) - c0;
+    const int hi = (rows.hi[r] < c0 + n ? rows.hi[r] : c0 + n) - c0;
+    Vec16 p = vzero();
+    rows.alpha[r] = 1.0f;
+    if (lo < hi) {  // else no key of this chunk is visible to the row
       const Mask16 keep = Mask16(((1u << hi) - 1) & ~((1u << lo) - 1));
-      const Vec16 s = vmask_fill(keep, vmul(qk_tile<NC>(query[r], k_rows), scale_log2), -INFINITY);
-      alpha[r] = 1.0f;
-      if (vgreater(s, m[r] + kRescaleSlack)) {  // always true on the row's first keys (m = -inf)
+      const Vec16 s = vmask_fill(keep, vmul(qk_tile<NC>(rows.query[r], k_rows), scale_log2), -INFINITY);
+      if (vgreater(s, rows.m[r] + kRescaleSlack)) {  // always true on the row's first keys (m = -inf)
         const float chunk_max = vreduce_max(s);
-        alpha[r] = std::exp2(m[r] - chunk_max);
-        m[r] = chunk_max;
+        rows.alpha[r] = std::exp2(rows.m[r] - chunk_max);
+        rows.m[r] = chunk_max;
       }
-      Vec16 p = vmaskz(keep, vexp2(vsub(s, vset1(m[r]))));
-#ifdef CONTBATCH_BF16_PAIR_PV
-      if constexpr (sizeof(T) == 2) p = round_to_bf16(p, prob_bf16[r]);  // l sums what p * V uses
-#endif
-      vstore(l[r], vfma(vload(l[r]), vset1(alpha[r]), p));
-      vstore(prob[r], p);
+      p = vmaskz(keep, vexp2(vsub(s, vset1(rows.m[r]))));
     }
-
 #ifdef CONTBATCH_BF16_PAIR_PV
-    if constexpr (sizeof(T) == 2) {
-      for_row_blocks<max_row_block<NC>()>(rows, [&](auto block, int r) {
-        accumulate_pv_pairs<NC, decltype(block)::size>(acc[r], kAccLen, alpha + r, prob_bf16 + r, v_rows, n);
-      });
-    } else
+    if constexpr (sizeof(T) == 2) p = round_to_bf16(p, rows.prob_bf16[r]);  // l sums what p * V uses
 #endif
-    {
-      for_row_blocks<max_row_block<NC>()>(rows, [&](auto block, int r) {
-        accumulate_pv<NC, decltype(block)::size>(acc[r], kAccLen, alpha + r, prob + r, v_rows, n);
-      });
-    }
+    vstore(rows.l[r], vfma(vload(rows.l[r]), vset1(rows.alpha[r]), p));
+    vstore(rows.prob[r], p);
   }
+}
 
+template <class T, int NC>
+void accumulate_chunk(Rows<T, NC>& rows, const T* const* v_rows, int n) {
 #ifdef CONTBATCH_BF16_PAIR_PV
   if constexpr (sizeof(T) == 2) {
-    for (int r = 0; r < rows; ++r) unpermute_pairs<NC>(acc[r]);
+    for_row_blocks<max_row_block<NC>()>(rows.count, [&](auto block, int r) {
+      accumulate_pv_pairs<NC, decltype(block)::size>(rows.acc[r], rows.kAccLen, rows.alpha + r, rows.prob_bf16 + r,
+                                                     v_rows, n);
+    });
+    return;
   }
 #endif
+  for_row_blocks<max_row_block<NC>()>(rows.count, [&](auto block, int r) {
+    accumulate_pv<NC, decltype(block)::size>(rows.acc[r], rows.kAccLen, rows.alpha + r, rows.prob + r, v_rows, n);
+  });
+}
+
+// Writes the rows to `out`, normalised, or their partial results (m, l, acc) to `partials`.
+template <class T, int NC>
+void store_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& item, float* partials) {
+#ifdef CONTBATCH_BF16_PAIR_PV
+  if constexpr (sizeof(T) == 2) {
+    for (int r = 0; r < rows.count; ++r) unpermute_pairs<NC>(rows.acc[r]);
+  }
+#endif
+  constexpr int D = Rows<T, NC>::kD;
   if (item.partial >= 0) {
     float* part = partials + item.partial;
-    for (int r = 0; r < rows; ++r) {
-      part[r] = m[r];
-      part[rows + r] = vreduce_add(vload(l[r]));
-      for (int d = 0; d < D; ++d) part[2 * rows + r * D + d] = acc[r][d];
+    for (int r = 0; r < rows.count; ++r) {
+      part[r] = rows.m[r];
+      part[rows.count + r] = vreduce_add(vload(rows.l[r]));
+      for (int d = 0; d < D; ++d) part[2 * rows.count + r * D + d] = rows.acc[r][d];
     }
     return;
   }
   T* out_base = static_cast<T*>(args.out);
-  for (int r = 0; r < rows; ++r) {
-    const int qi = r / heads, h = r % heads;
+  for (int r = 0; r < rows.count; ++r) {
+    const int qi = r / item.num_heads, h = r % item.num_heads;
     T* dst = out_base + (item.token_begin + qi) * args.out_token_stride + (item.head_begin + h) * args.out_head_stride;
-    const Vec16 inv = vset1(1.0f / vreduce_add(vload(l[r])));
-    for (int c = 0; c < NC; ++c) vstore(dst + 16 * c, vmul(vload(acc[r] + 16 * c), inv));
+    const Vec16 inv = vset1(1.0f / vreduce_add(vload(rows.l[r])));
+    for (int c = 0; c < NC; ++c) vstore(dst + 16 * c, vmul(vload(rows.acc[r] + 16 * c), inv));
   }
+}
+
+// Cache offsets of the rows of an item's key chunks i = 0, 1, ... (chunk i starts at key
+// position kv_begin + i * kChunk) in a ring of three: the current chunk and the two after
+// it, which are prefetched into L2 while the current one is computed (blocks are scattered,
+// so K/V come from DRAM with no stream for the hardware prefetcher). Re-prefetching the
+// next chunk measured faster than prefetching each chunk once.
+template <class T, int D>
+struct ChunkRing {
+  const AttentionArgs& args;
+  const WorkItem& item;
+  const int32_t* table;
+  const T* k_base;
+  const T* v_base;
+  int64_t offsets[3][kChunk];
+  int lengths[3];
+
+  int num_chunks() const { return (item.kv_end - item.kv_begin + kChunk - 1) / kChunk; }
+  int length(int i) const { return lengths[i % 3]; }
+
+  void locate(int i) {
+    const int32_t c0 = item.kv_begin + i * kChunk;
+    const int n = item.kv_end - c0 < kChunk ? item.kv_end - c0 : kChunk;
+    const int64_t block_size = args.block_size, block_stride = args.cache_block_stride;
+    int64_t block = c0 / block_size, offset = c0 % block_size;
+    int64_t* at = offsets[i % 3];
+    for (int t = 0; t < n; ++t) {
+      at[t] = table[block] * block_stride + offset * D;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+    lengths[i % 3] = n;
+  }
+
+  void prefetch(int i) const {
+    const int64_t* at = offsets[i % 3];
+    const int n = lengths[i % 3];
+    for (int t = 0; t < n; ++t) {
+      for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_base + at[t]) + byte, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_base + at[t]) + byte, 0, 2);
+      }
+    }
+  }
+
+  // K and V rows of chunk i, padding K to kChunk rows with row 0 (scored, then masked out).
+  void rows_of(int i, const T** k_rows, const T** v_rows) const {
+    const int64_t* at = offsets[i % 3];
+    const int n = lengths[i % 3];
+    for (int t = 0; t < n; ++t) {
+      k_rows[t] = k_base + at[t];
+      v_rows[t] = v_base + at[t];
+    }
+    for (int t = n; t < kChunk; ++t) k_rows[t] = k_rows[0];
+  }
+};
+
+template <class T, int NC>
+void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
+  Rows<T, NC> rows;
+  load_rows(rows, args, item);
+  ChunkRing<T, 16 * NC> ring{args, item, args.block_tables + item.seq * args.block_table_stride,
+                             static_cast<const T*>(args.key_cache) + item.kv_head * args.cache_head_stride,
+                             static_cast<const T*>(args.value_cache) + item.kv_head * args.cache_head_stride};
+  const int num_chunks = ring.num_chunks();
+  for (int i = 0; i < 2 && i < num_chunks; ++i) ring.locate(i);
+  const Vec16 scale_log2 = vset1(args.scale * kLog2e);
+  const T* k_rows[kChunk];
+  const T* v_rows[kChunk];
+  for (int i = 0; i < num_chunks; ++i) {
+    ring.rows_of(i, k_rows, v_rows);
+    const int n = ring.length(i);
+    if (i + 2 < num_chunks) ring.locate(i + 2);
+    for (int ahead = i + 1; ahead < i + 3 && ahead < num_chunks; ++ahead) ring.prefetch(ahead);
+    softmax_chunk(rows, k_rows, item.kv_begin + i * kChunk, n, scale_log2);
+    accumulate_chunk(rows, v_rows, n);
+  }
+  store_rows(rows, args, item, partials);
 }
 
 template <class T>
