@@ -3,8 +3,10 @@
 Decode paged_attention at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_size 64,
 block_size 16, physical blocks shuffled over the whole cache), for batch 1, 32 and 256 and
 contexts 128 to 4096, in bf16 and fp32; achieved bandwidth counts the K/V bytes read, set
-against a large tensor copy measured in the same run (read + write bytes). Also one prefill
-batch and reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
+against a large tensor copy measured in the same run (read + write bytes). Small batches
+rotate over copies on disjoint blocks, at least 256 MiB in all, so that K/V come from DRAM
+as in a real model with many layers, not from the CPU caches. Also one prefill batch and
+reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick]
 """
@@ -23,6 +25,7 @@ SCALE = HEAD_SIZE**-0.5
 BATCHES = (1, 32, 256)
 CONTEXTS = (128, 512, 1024, 4096)
 REFERENCE_MAX_TOKENS = 256 * 1024  # the reference takes seconds per call beyond this many context tokens
+ROTATION_BYTES = 256 * 2**20  # K/V touched between two calls on the same blocks
 
 
 def time_call(fn: Callable[[], None], min_seconds: float = 0.5, max_iters: int = 50) -> float:
@@ -52,31 +55,41 @@ class Cache:
         self.key = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
         self.value = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
 
-    def batch(self, seq_lens: list[int], query_lens: list[int]) -> tuple:
-        """paged_attention's arguments after `out` for a batch over random shuffled blocks."""
+    def batches(self, seq_lens: list[int], query_lens: list[int], copies: int) -> list[tuple]:
+        """paged_attention's arguments after `out` for `copies` batches on disjoint shuffled blocks."""
         blocks = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens]
-        physical = torch.randperm(self.num_blocks)[: sum(blocks)].int()
-        tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-        start = 0
-        for seq, count in enumerate(blocks):
-            tables[seq, :count] = physical[start : start + count]
-            start += count
+        physical = torch.randperm(self.num_blocks)[: copies * sum(blocks)].int()
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.key.dtype).uniform_(-1, 1)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        return query, self.key, self.value, tables, seq_lens_t, starts
+        result, start = [], 0
+        for _ in range(copies):
+            tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+            for seq, count in enumerate(blocks):
+                tables[seq, :count] = physical[start : start + count]
+                start += count
+            result.append((query, self.key, self.value, tables, seq_lens_t, starts))
+        return result
 
 
 def attention_row(cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float) -> dict:
-    args = cache.batch(seq_lens, query_lens)
-    out = torch.empty_like(args[0])
-    compiled = time_call(lambda: torch.ops.contbatch.paged_attention(out, *args, SCALE))
-    row = dict(op=name, dtype=str(cache.key.dtype).removeprefix("torch."), compiled_ms=compiled * 1e3)
     kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache.key.element_size()
-    row["gbs"] = kv_bytes / compiled / 1e9
-    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+    blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
+    copies = min(-(-ROTATION_BYTES // kv_bytes), cache.num_blocks // blocks)
+    batches = cache.batches(seq_lens, query_lens, copies)
+    out = torch.empty_like(batches[0][0])
+    calls = iter(range(10**9))
+
+    def compiled_call() -> None:
+        torch.ops.contbatch.paged_attention(out, *batches[next(calls) % copies], SCALE)
+
+    compiled = time_call(compiled_call)
+    row = dict(op=name, dtype=str(cache.key.dtype).removeprefix("torch."), compiled_ms=compiled * 1e3)
+    if all(q == 1 for q in query_lens):  # decode reads each K/V row once; prefill is compute-bound
+        row["gbs"] = kv_bytes / compiled / 1e9
+        row["pct_copy"] = 100 * row["gbs"] / copy_gbs
     if sum(seq_lens) <= REFERENCE_MAX_TOKENS:
-        ref = time_call(lambda: reference.paged_attention(out, *args, SCALE), min_seconds=0.2, max_iters=5)
+        ref = time_call(lambda: reference.paged_attention(out, *batches[0], SCALE), min_seconds=0.2, max_iters=5)
         row["reference_ms"] = ref * 1e3
         row["speedup"] = ref / compiled
     return row
