@@ -20,11 +20,12 @@ namespace {
 template <typename T>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
                                          T* __restrict__ key_cache, T* __restrict__ value_cache,
-                                         const int64_t* __restrict__ slot_mapping, int64_t token_stride,
-                                         int64_t head_stride, int num_kv_heads, int head_size, int block_size) {
+                                         const int64_t* __restrict__ slot_mapping, int64_t num_slots,
+                                         int64_t token_stride, int64_t head_stride, int num_kv_heads, int head_size,
+                                         int block_size) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;
+  if (slot < 0 || slot >= num_slots) return;  // skipped; a slot past the cache is not written either
   const int64_t block = slot / block_size, offset = slot % block_size;
   for (int i = threadIdx.x; i < num_kv_heads * head_size; i += blockDim.x) {
     const int h = i / head_size, d = i % head_size;
@@ -77,7 +78,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
     using T = decltype(tag);
     reshape_and_cache_kernel<T><<<num_tokens, threads, 0, stream>>>(
         k.data_ptr<T>(), v.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-        slot_mapping.data_ptr<int64_t>(), k.stride(0), k.stride(1), num_kv_heads, head_size, block_size);
+        slot_mapping.data_ptr<int64_t>(), key_cache.size(0) * block_size, k.stride(0), k.stride(1), num_kv_heads,
+        head_size, block_size);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -98,6 +100,7 @@ void copy_blocks_cuda(const std::vector<at::Tensor>& key_caches, const std::vect
                     " bytes is not a multiple of 16 bytes");
   // Each layer's cache address, gathered on the host and copied to the device.
   const int num_layers = static_cast<int>(key_caches.size());
+  TORCH_CHECK_VALUE(num_pairs <= 65535, "copy_blocks: at most 65535 block pairs per call on CUDA, got ", num_pairs);
   at::Tensor ptrs = at::empty({2, num_layers}, at::TensorOptions().dtype(at::kLong));
   int64_t* host_ptrs = ptrs.data_ptr<int64_t>();
   for (int i = 0; i < num_layers; ++i) {
