@@ -93,14 +93,74 @@ void add_sequence_items(std::vector<WorkItem>& items, int32_t seq, int32_t q_beg
   }
 }
 
+// One call's work, reused across calls: no allocation per step once the batch size has been
+// seen. Callers bind the thread_local instance to a reference, so that the worker threads
+// use the calling thread's copy.
 struct Plan {
   std::vector<WorkItem> items;  // before split-K
   std::vector<WorkItem> tasks;  // after split-K
   std::vector<int64_t> order;   // tasks, most expensive first
   std::vector<std::pair<int64_t, int64_t>> split_items;  // [begin, end) in tasks of each split item
+  int64_t partial_floats = 0;   // scratch the split tasks need
 };
 
+void plan_items(Plan& plan, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t sliding_window) {
+  const int64_t num_tokens = query.size(0), num_kv_heads = key_cache.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  plan.items.clear();
+  TORCH_CHECK_VALUE(starts[0] == 0, "paged_attention: query_start_loc[0] must be 0, got ", starts[0]);
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    TORCH_CHECK_VALUE(starts[s] <= starts[s + 1] && starts[s + 1] <= num_tokens, "paged_attention: query_start_loc[",
+                      s + 1, "] = ", starts[s + 1], " is not within [", starts[s], ", num_tokens=", num_tokens, "]");
+    if (starts[s] == starts[s + 1]) continue;
+    add_sequence_items(plan.items, static_cast<int32_t>(s), starts[s], starts[s + 1], lens[s],
+                       tables + s * block_tables.stride(0), block_tables.size(1), key_cache.size(0),
+                       key_cache.size(2), num_kv_heads, query.size(1) / num_kv_heads, sliding_window);
+  }
+}
+
+// Split-K when there are too few items for the threads; the tasks of one item stay adjacent.
+void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size) {
+  plan.tasks.clear();
+  plan.split_items.clear();
+  plan.partial_floats = 0;
+  int64_t partition = INT32_MAX;
+  if (threads > 1 && static_cast<int64_t>(plan.items.size()) < kItemsPerThread * threads) {
+    int64_t total_span = 0;
+    for (const WorkItem& w : plan.items) total_span += w.kv_end - w.kv_begin;
+    partition = std::max(kMinPartition, (total_span / (kPartitionsPerThread * threads) + 15) / 16 * 16);
+  }
+  for (const WorkItem& w : plan.items) {
+    if (w.kv_end - w.kv_begin <= partition) {
+      plan.tasks.push_back(w);
+      continue;
+    }
+    const int64_t begin = static_cast<int64_t>(plan.tasks.size());
+    for (int64_t k = w.kv_begin; k < w.kv_end; k += partition) {
+      WorkItem part = w;
+      part.kv_begin = static_cast<int32_t>(k);
+      part.kv_end = static_cast<int32_t>(std::min<int64_t>(w.kv_end, k + partition));
+      part.partial = plan.partial_floats;
+      plan.partial_floats += int64_t(w.num_heads) * w.num_queries * (head_size + 2);
+      plan.tasks.push_back(part);
+    }
+    plan.split_items.emplace_back(begin, static_cast<int64_t>(plan.tasks.size()));
+  }
+}
+
 int64_t item_cost(const WorkItem& w) { return int64_t(w.num_heads) * w.num_queries * (w.kv_end - w.kv_begin); }
+
+void order_by_cost(Plan& plan) {
+  plan.order.resize(plan.tasks.size());
+  for (size_t i = 0; i < plan.order.size(); ++i) plan.order[i] = static_cast<int64_t>(i);
+  std::sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) {
+    const int64_t cost_a = item_cost(plan.tasks[a]), cost_b = item_cost(plan.tasks[b]);
+    return cost_a > cost_b || (cost_a == cost_b && a < b);
+  });
+}
 
 // Runs fn(i) for i in [0, n) on the thread pool, threads pulling indices from a shared counter.
 template <class F>
@@ -126,95 +186,28 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                              /*allow_half=*/false);
-  const int64_t num_seqs = seq_lens.size(0);
-  const int64_t num_tokens = query.size(0), head_size = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  const int64_t group = query.size(1) / num_kv_heads;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-
-  // Reused across calls: no allocation per step once the batch size has been seen. Bound to
-  // references because the worker threads must see this thread's copies.
   thread_local Plan plan_storage;
   Plan& plan = plan_storage;
-  std::vector<WorkItem>& items = plan.items;
-  std::vector<WorkItem>& tasks = plan.tasks;
-  std::vector<int64_t>& order = plan.order;
-  std::vector<std::pair<int64_t, int64_t>>& split_items = plan.split_items;
-  items.clear();
-  TORCH_CHECK_VALUE(starts[0] == 0, "paged_attention: query_start_loc[0] must be 0, got ", starts[0]);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK_VALUE(starts[s] <= starts[s + 1] && starts[s + 1] <= num_tokens, "paged_attention: query_start_loc[",
-                      s + 1, "] = ", starts[s + 1], " is not within [", starts[s], ", num_tokens=", num_tokens, "]");
-    if (starts[s] == starts[s + 1]) continue;
-    add_sequence_items(items, static_cast<int32_t>(s), starts[s], starts[s + 1], lens[s],
-                       tables + s * block_tables.stride(0), block_tables.size(1), num_blocks, block_size,
-                       num_kv_heads, group, sliding_window);
-  }
-  if (items.empty()) return;
+  plan_items(plan, query, key_cache, block_tables, seq_lens, query_start_loc, sliding_window);
+  if (plan.items.empty()) return;
+  split_key_ranges(plan, at::get_num_threads(), query.size(2));
+  order_by_cost(plan);
 
-  // Split-K when there are too few items for the threads; tasks of one item stay adjacent.
-  const int64_t threads = at::get_num_threads();
-  tasks.clear();
-  split_items.clear();
-  int64_t partition = INT32_MAX, partial_floats = 0;
-  if (threads > 1 && static_cast<int64_t>(items.size()) < kItemsPerThread * threads) {
-    int64_t total_span = 0;
-    for (const WorkItem& w : items) total_span += w.kv_end - w.kv_begin;
-    partition = std::max(kMinPartition, (total_span / (kPartitionsPerThread * threads) + 15) / 16 * 16);
-  }
-  for (const WorkItem& w : items) {
-    if (w.kv_end - w.kv_begin <= partition) {
-      tasks.push_back(w);
-      continue;
-    }
-    const int64_t begin = static_cast<int64_t>(tasks.size());
-    for (int64_t k = w.kv_begin; k < w.kv_end; k += partition) {
-      WorkItem part = w;
-      part.kv_begin = static_cast<int32_t>(k);
-      part.kv_end = static_cast<int32_t>(std::min<int64_t>(w.kv_end, k + partition));
-      part.partial = partial_floats;
-      partial_floats += int64_t(w.num_heads) * w.num_queries * (head_size + 2);
-      tasks.push_back(part);
-    }
-    split_items.emplace_back(begin, static_cast<int64_t>(tasks.size()));
-  }
-
-  order.resize(tasks.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    const int64_t cost_a = item_cost(tasks[a]), cost_b = item_cost(tasks[b]);
-    return cost_a > cost_b || (cost_a == cost_b && a < b);
-  });
-
-  const AttentionArgs args{query.data_ptr(),
-                           query.stride(0),
-                           query.stride(1),
-                           out.data_ptr(),
-                           out.stride(0),
-                           out.stride(1),
-                           key_cache.data_ptr(),
-                           value_cache.data_ptr(),
-                           key_cache.stride(0),
-                           key_cache.stride(1),
-                           tables,
-                           block_tables.stride(0),
-                           block_size,
-                           head_size,
-                           static_cast<float>(scale),
-                           sliding_window,
+  const AttentionArgs args{query.data_ptr(), query.stride(0), query.stride(1),
+                           out.data_ptr(), out.stride(0), out.stride(1),
+                           key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+                           block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                           key_cache.size(2), query.size(2), static_cast<float>(scale), sliding_window,
                            query.scalar_type() == at::kBFloat16};
   const AttentionKernels* kernels = select_kernels();
-  at::Tensor partials;
-  if (partial_floats > 0) partials = at::empty({partial_floats}, query.options().dtype(at::kFloat));
-  float* partial_data = partial_floats > 0 ? partials.data_ptr<float>() : nullptr;
-
-  run_dynamic(static_cast<int64_t>(tasks.size()),
-              [&](int64_t i) { kernels->attend(args, tasks[order[i]], partial_data); });
-  run_dynamic(static_cast<int64_t>(split_items.size()), [&](int64_t i) {
-    const auto [begin, end] = split_items[i];
-    kernels->reduce_partitions(args, &tasks[begin], static_cast<int>(end - begin), partial_data);
+  at::Tensor partials;  // only split tasks need scratch
+  if (plan.partial_floats > 0) partials = at::empty({plan.partial_floats}, query.options().dtype(at::kFloat));
+  float* partial_data = partials.defined() ? partials.data_ptr<float>() : nullptr;
+  run_dynamic(static_cast<int64_t>(plan.tasks.size()),
+              [&](int64_t i) { kernels->attend(args, plan.tasks[plan.order[i]], partial_data); });
+  run_dynamic(static_cast<int64_t>(plan.split_items.size()), [&](int64_t i) {
+    const auto [begin, end] = plan.split_items[i];
+    kernels->reduce_partitions(args, &plan.tasks[begin], static_cast<int>(end - begin), partial_data);
   });
 }
 
