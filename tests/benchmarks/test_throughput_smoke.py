@@ -1,0 +1,90 @@
+"""The throughput harness end to end on 8 tiny requests (contbatch only), plus its FLOP count and docs update.
+
+No timing is asserted: only that the run completes and its JSON is whole and adds up.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _report import BEGIN, END, update_docs  # noqa: E402
+from _roofline import ModelFlops  # noqa: E402
+from _workloads import load_workload  # noqa: E402
+
+NUM_REQUESTS, CAP = 8, 8
+
+
+@pytest.fixture(scope="module")
+def report(smollm_dir, tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("results")
+    command = [
+        sys.executable, str(BENCHMARKS / "throughput.py"),
+        "--systems", "contbatch", "--model", str(smollm_dir),
+        "--limit", str(NUM_REQUESTS), "--max-tokens-cap", str(CAP),
+        "--decode-batch", "4", "--matmul-size", "128", "--out-dir", str(out_dir),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out_dir.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_report_has_run_description(report):
+    assert report["workload"] == "chat256" and report["dtype"] == "bf16"
+    assert report["num_requests"] == NUM_REQUESTS
+    assert {"cpu", "torch", "transformers", "load_avg_1min"} <= set(report["machine"])
+    assert report["matmul_gflops"]["bf16"]["peak"] > 0 and report["matmul_gflops"]["fp32"]["peak"] > 0
+    assert report["roofline"]["ceiling_wall_s"] > 0
+    assert list(report["systems"]) == ["contbatch"]
+
+
+def test_contbatch_counts_add_up(report, smollm_dir):
+    from transformers import AutoTokenizer
+
+    result = report["systems"]["contbatch"]
+    requests = load_workload("chat256", AutoTokenizer.from_pretrained(smollm_dir), NUM_REQUESTS, CAP)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    assert result["num_requests"] == NUM_REQUESTS
+    assert result["prompt_tokens"] == prompt_tokens
+    assert result["output_tokens"] == NUM_REQUESTS * CAP
+    assert result["output_tokens_missing"] == 0
+    assert [row[2] for row in result["requests"]] == [CAP] * NUM_REQUESTS
+    for key in ("wall_s", "output_tok_s", "total_tok_s", "ttft_median_s", "ttft_p99_s", "peak_rss_mib",
+                "fraction_of_ceiling", "steps_per_s", "mean_running_batch", "step_time_share_outside_model"):
+        assert result[key] > 0, key
+
+    samples = [dict(zip(result["step_fields"], s)) for s in result["step_samples"]]
+    assert len(samples) == result["steps"]
+    assert sum(s["sampled"] for s in samples) == NUM_REQUESTS * CAP
+    # Every prompt token but the cached ones, and every output token but the last, goes through the model once.
+    fed = prompt_tokens - result["cached_prompt_tokens"] + NUM_REQUESTS * (CAP - 1)
+    assert sum(s["tokens"] for s in samples) == fed
+    assert 0 < result["kv_blocks_used_peak"] <= result["kv_blocks_total"]
+    assert result["preemptions"] == 0
+    assert 0 <= result["prefix_cache_hit_rate"] <= 1
+
+    probe = result["decode_probe"]
+    assert probe["batch"] == 4 and probe["decode_steps"] > 0
+    assert probe["fraction_of_peak"] > 0
+
+
+def test_chat256_flops_match_the_hand_count(smollm_dir):
+    from transformers import AutoTokenizer
+
+    requests = load_workload("chat256", AutoTokenizer.from_pretrained(smollm_dir))
+    assert ModelFlops.from_config(smollm_dir).workload_flops(requests) / 1e12 == pytest.approx(8.99, abs=0.01)
+
+
+def test_update_docs_rewrites_only_the_marked_section(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    docs = tmp_path / "performance.md"
+    docs.write_text(f"# Hand-written\n\n{BEGIN}\nold\n{END}\n\n## Kernels\nkept\n")
+    update_docs(report, "new table", docs)
+    assert docs.read_text() == f"# Hand-written\n\n{BEGIN}\nnew table\n{END}\n\n## Kernels\nkept\n"
+    assert (tmp_path / "performance_throughput.png").stat().st_size > 0
