@@ -20,14 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoTokenizer
-from transformers.utils import logging as hf_logging
+# This script's folder is on sys.path, and its kernels.py would pass for the unrelated
+# `kernels` package that transformers probes for: mark that package as absent.
+sys.modules.setdefault("kernels", None)
 
-from _report import markdown_section, update_docs
-from _roofline import DTYPES, ModelFlops, ceiling, matmul_rates
-from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from _report import markdown_section, update_docs  # noqa: E402
+from _roofline import DTYPES, ModelFlops, ceiling, matmul_rates  # noqa: E402
+from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # noqa: E402
 
 SYSTEMS = ("contbatch", "hf_static", "hf_cb", "hf_serial")
 CONTBATCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -1,8 +1,9 @@
 """contbatch: offline batched LLM generation with continuous batching and a paged KV cache."""
 
+from contbatch.jobs import run_job
 from contbatch.llm import LLM
 from contbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from contbatch.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "run_job"]
 __version__ = "0.1.0"

@@ -30,10 +30,6 @@ line may override sampling with top-level keys named like the flags below
 Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
 130 interrupted (Ctrl-C; rerun to resume)."""
 
-# Flags wired for SamplingParams fields that this version may not have yet.
-_EXPECTED_FIELDS = {"n": {"type": int, "metavar": "N"}, "stop": {"action": "append", "metavar": "STR"}}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
@@ -129,11 +125,6 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         if kwargs.get("action") is not argparse.BooleanOptionalAction:
             kwargs["metavar"] = field.name.upper()
         sampling.add_argument(_flag(field.name), dest=f"sampling_{field.name}", help=help_text.strip(), **kwargs)
-    for name, kwargs in _EXPECTED_FIELDS.items():
-        if name not in hints:
-            sampling.add_argument(
-                _flag(name), dest=f"unsupported_{name}", help="not supported by this contbatch version", **kwargs
-            )
 
 
 def _flag(name: str) -> str:
@@ -181,10 +172,6 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``contbatch generate``; ``parser`` is its subparser (usage errors name the subcommand)."""
-    unsupported = [name for name in _EXPECTED_FIELDS if getattr(args, f"unsupported_{name}", None) is not None]
-    if unsupported:
-        name = unsupported[0]
-        parser.error(f"{_flag(name)} is not supported by this contbatch version (SamplingParams has no {name!r})")
     sampling = {key.removeprefix("sampling_"): value for key, value in vars(args).items()
                 if key.startswith("sampling_") and value is not None}
     try:

@@ -1,5 +1,6 @@
 """LLMEngine: builds the model, cache, scheduler and runner; advances all requests one step at a time."""
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -58,7 +59,8 @@ class LLMEngine:
     def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
         request = Request(request_id, prompt, prompt_token_ids, params, self.eos_token_ids)
         if params.structured_outputs is not None:
-            request.grammar = self._grammar_compiler().matcher(params.structured_outputs)
+            request.make_grammar = functools.partial(self._grammar_compiler().matcher, params.structured_outputs)
+            request.grammar = request.make_grammar()
         self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:

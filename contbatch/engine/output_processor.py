@@ -6,12 +6,16 @@ scheduler cannot see), and assembles the ``n`` samples of a prompt into one
 RequestOutput once all of them are done.
 """
 
+import logging
+
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.engine.detokenizer import IncrementalDetokenizer
 from contbatch.engine.request import Request
 from contbatch.layers.logprobs import RawLogprobs
 from contbatch.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -28,7 +32,12 @@ class OutputProcessor:
             request.logprobs.append(self._to_token_logprobs(logprobs))
             request.cumulative_logprob += logprobs.logprob
         if request.grammar is not None and not request.is_finished:
-            request.grammar.accept(token)
+            try:
+                request.grammar.accept(token)
+            except ValueError as exc:  # only an llguidance internal error gets past the mask
+                logger.warning("request %d sample %d: %s (%s); ending it", request.request_id,
+                               request.sample_index, exc, request.grammar.error)
+                request.finish("abort", None)
             if request.grammar.is_finished:
                 request.finish("stop", None)
         if self.tokenizer is None:

@@ -2,6 +2,7 @@
 
 import enum
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -59,7 +60,10 @@ class Request:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
-        self.grammar = None  # a GrammarMatcher when params.structured_outputs is set
+        # A GrammarMatcher when params.structured_outputs is set; each sample needs its own,
+        # so the engine also leaves the factory that makes one for forked samples.
+        self.grammar = None
+        self.make_grammar: Callable[[], object] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +104,9 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        if self.make_grammar is not None:
+            child.make_grammar = self.make_grammar
+            child.grammar = self.make_grammar()  # forked before any output token: a fresh matcher
         return child
 
     def append_token(self, token_id: int, max_model_len: int) -> None:

@@ -80,8 +80,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         logits[row, token_ids] = float("-inf")
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
-    for row, grammar in batch.grammars:
-        grammar.fill_mask(logits[row])
+    if batch.grammars:
+        from contbatch.structured_outputs import fill_masks  # llguidance is only imported when used
+
+        fill_masks(logits, batch.grammars)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
