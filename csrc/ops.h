@@ -17,4 +17,11 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 void copy_blocks_cpu(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                      const at::Tensor& block_mapping);
 
+// Fused layer ops (CPU only; on GPU the engine uses their PyTorch references).
+void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps);
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps);
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
+                          const at::Tensor& sin);
+
 }  // namespace contbatch

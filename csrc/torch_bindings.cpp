@@ -14,12 +14,20 @@ TORCH_LIBRARY(contbatch, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=-1) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(contbatch, CPU, m) {
   m.impl("reshape_and_cache", &contbatch::reshape_and_cache_cpu);
   m.impl("paged_attention", &contbatch::paged_attention_cpu);
   m.impl("copy_blocks", &contbatch::copy_blocks_cpu);
+  m.impl("rms_norm", &contbatch::rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &contbatch::fused_add_rms_norm_cpu);
+  m.impl("silu_and_mul", &contbatch::silu_and_mul_cpu);
+  m.impl("rotary_embedding", &contbatch::rotary_embedding_cpu);
 }
 
 PyMODINIT_FUNC PyInit__C() {

@@ -82,7 +82,7 @@ class ModelRunner:
         requests = model_input.sampling_requests
         sample_logits = self._logits(hidden, model_input.sample_rows)
         wants_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        raw_logits = sample_logits[wants_logprobs].clone() if wants_logprobs else None
+        raw_logits = sample_logits[wants_logprobs].float() if wants_logprobs else None  # a copy
         tokens = sample(sample_logits, self._sampling_batch(requests), self.generator)
         if raw_logits is not None:
             chosen = tokens[wants_logprobs]
@@ -141,7 +141,8 @@ class ModelRunner:
         )
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        """Logits of the given rows in the model's dtype (the sampler makes fp32 copies as needed)."""
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[int], targets: list[tuple[Request, int]]
@@ -152,7 +153,7 @@ class ModelRunner:
             chunk = targets[begin : begin + PROMPT_LOGPROBS_CHUNK]
             logits = self._logits(hidden, rows[begin : begin + PROMPT_LOGPROBS_CHUNK])
             token_ids = torch.tensor([r.token_ids[p] for r, p in chunk], device=self.device)
-            raws = compute_logprobs(logits, token_ids, [r.params.prompt_logprobs for r, _ in chunk])
+            raws = compute_logprobs(logits.float(), token_ids, [r.params.prompt_logprobs for r, _ in chunk])
             scored.extend((request, position, raw) for (request, position), raw in zip(chunk, raws))
         return scored
 

@@ -1,9 +1,11 @@
 """SiLU-gated MLP activation over a fused [gate | up] projection."""
 
 import torch
-import torch.nn.functional as F
+
+from contbatch import ops
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
+    ops.silu_and_mul(out, gate_up)
+    return out

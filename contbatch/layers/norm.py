@@ -1,7 +1,13 @@
-"""RMSNorm, computed in fp32 and cast back in the same order as HF transformers."""
+"""RMSNorm, computed in fp32 and cast back in the same order as HF transformers.
+
+With a residual it is the fused "add then normalise" of pre-norm decoders: one pass
+over memory instead of separate add and norm kernels (contbatch.ops.fused_add_rms_norm).
+"""
 
 import torch
 from torch import nn
+
+from contbatch import ops
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +17,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        ops.rms_norm(out, rows, self.weight, self.eps)
+        return out.view(x.shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), computed in place in ``x`` and ``residual``
+        (both [tokens, size], contiguous rows)."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual

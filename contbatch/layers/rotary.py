@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from contbatch import ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -31,15 +33,9 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """Rotates q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place."""
+        ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+        return q, k
 
 
 def _inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:

@@ -75,7 +75,13 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [rows] from fp32 logits [rows, vocab] (modified in place)."""
+    """Token ids [rows] from logits [rows, vocab] in the model's dtype (modified in place).
+
+    Greedy rows without penalties need no fp32 copy: masking with -inf and argmax are
+    exact in bf16. Everything else works on an fp32 copy.
+    """
+    if not batch.all_greedy or batch.penalties is not None:
+        logits = logits.float()
     for row, token_ids in batch.suppressed:
         logits[row, token_ids] = float("-inf")
     if batch.penalties is not None:

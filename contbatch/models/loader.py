@@ -47,6 +47,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     model = model.to(dtype=dtype).to_empty(device=device)
     _load_weights(model, config, files)
     model.init_rotary(max_positions)
+    model.pack_weights()
     return model.eval()
 
 

@@ -46,4 +46,23 @@ else:
     paged_attention = reference.paged_attention
     copy_blocks = reference.copy_blocks
 
-__all__ = ["BACKEND", "reshape_and_cache", "paged_attention", "copy_blocks", "reference"]
+
+
+def _native_on_cpu(name: str):
+    """The fused layer ops have CPU kernels only: tensors elsewhere take the reference."""
+    native, fallback = getattr(_native, name), getattr(reference, name)
+
+    def op(*args):
+        return native(*args) if args[1].device.type == "cpu" else fallback(*args)
+
+    op.__name__ = name
+    return op
+
+
+LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+if _native is not None:
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = map(_native_on_cpu, LAYER_OPS)
+else:
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = (getattr(reference, n) for n in LAYER_OPS)
+
+__all__ = ["BACKEND", "reshape_and_cache", "paged_attention", "copy_blocks", *LAYER_OPS, "reference"]

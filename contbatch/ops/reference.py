@@ -104,3 +104,41 @@ def _causal_mask(q_len: int, seq_len: int, sliding_window: int, device: torch.de
     if sliding_window > 0:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+# --- Fused layer ops ------------------------------------------------------------------
+# Each is the plain PyTorch formula, evaluated op by op in the input dtype the way HF
+# transformers does (fp32 inside RMSNorm); the CPU kernels round where these do.
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out = weight * (x / sqrt(mean(x^2) + eps)), the norm in fp32 and cast back before the weight."""
+    x32 = x.float()
+    out.copy_(weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x (the residual stream), then x = rms_norm(residual)."""
+    residual.add_(x)
+    rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out = silu(gate) * up for x = [gate | up] along the last dim."""
+    gate, up = x.chunk(2, dim=-1)
+    torch.mul(F.silu(gate), up, out=out)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate-half rotary embedding, in place. query [tokens, heads, head_size], key
+    [tokens, kv_heads, head_size]; cos/sin [max_positions, head_size] indexed by position."""
+    cos_t, sin_t = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    for x in (query, key):
+        x.copy_(x * cos_t + _rotate_half(x) * sin_t)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -23,6 +23,7 @@
 #include "../op_checks.h"
 #include "../ops.h"
 #include "attention_kernel_api.h"
+#include "cpu_features.h"
 
 namespace contbatch {
 
@@ -37,20 +38,9 @@ constexpr int64_t kItemsPerThread = 4;     // fewer than this per thread: split 
 constexpr int64_t kMinPartition = 256;     // key positions per partition, at least
 constexpr int64_t kPartitionsPerThread = 8;
 
-bool cpu_has_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
 // CONTBATCH_CPU_ISA: unset or "auto" picks the best; "generic" or "avx512" force one.
 const AttentionKernels* select_kernels() {
-  static const bool has_avx512 = cpu_has_avx512_bf16() && cpu::avx512_kernels() != nullptr;
+  static const bool has_avx512 = cpu::cpu_has_avx512_bf16() && cpu::avx512_kernels() != nullptr;
   const char* env = std::getenv("CONTBATCH_CPU_ISA");
   const std::string_view isa = env == nullptr ? "auto" : env;
   if (isa == "generic") return cpu::generic_kernels();

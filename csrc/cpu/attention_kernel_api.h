@@ -1,5 +1,5 @@
 // Interface between the ATen driver (attention.cpp) and the per-ISA attention kernels
-// (attention_avx512.cpp, attention_generic.cpp). No ATen here: the kernel translation
+// (kernels_avx512.cpp, kernels_generic.cpp). No ATen here: the kernel translation
 // units are compiled with other target ISAs and must not share inline code with the rest.
 //
 // Layouts (see docs/kv_cache_layout.md):

@@ -1,5 +1,5 @@
 // 16-lane fp32 vector operations on AVX-512 (+ AVX512_BF16 for the bf16 dot products).
-// Included only by attention_avx512.cpp, inside its `#pragma GCC target` region and an
+// Included only by kernels_avx512.cpp, inside its `#pragma GCC target` region and an
 // anonymous namespace; simd_generic.h defines the same functions portably.
 #pragma once
 

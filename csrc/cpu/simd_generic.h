@@ -1,5 +1,5 @@
 // Portable 16-lane fp32 vector: plain loops the compiler vectorises for the baseline ISA.
-// Same functions as simd_avx512.h; included only by attention_generic.cpp, inside an
+// Same functions as simd_avx512.h; included only by kernels_generic.cpp, inside an
 // anonymous namespace.
 #pragma once
 

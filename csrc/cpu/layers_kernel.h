@@ -1,0 +1,122 @@
+// Row kernels of the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
+// rotary embedding), written once against the Vec16 API and included by
+// layers_avx512.cpp and layers_generic.cpp inside an anonymous namespace, after their
+// simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
+//
+// Rounding follows PyTorch's op-by-op evaluation of the same formulas (contbatch/ops/
+// reference.py) so that bf16 results agree with HF transformers: wherever PyTorch would
+// materialise a bf16 tensor between two ops, `round_as<T>` rounds to bf16 here too.
+
+inline float load1(float x) { return x; }
+inline float load1(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store1(float* p, float x) { *p = x; }
+inline void store1(uint16_t* p, float f) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof f);
+  *p = std::isnan(f) ? uint16_t((bits >> 16) | 0x40) : uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+template <class T>
+inline float round_as(float x) {
+  T t;
+  store1(&t, x);
+  return load1(t);
+}
+template <class T>
+inline Vec16 round_as(Vec16 v) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return v;
+  } else {
+    T tmp[kLanes];
+    vstore(tmp, v);
+    return vload(tmp);
+  }
+}
+
+// sum(x^2) over n elements.
+template <class T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  Vec16 acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = vload(x + i);
+    acc = vfma(v, v, acc);
+  }
+  float sum = vreduce_add(acc);
+  for (; i < n; ++i) sum += load1(x[i]) * load1(x[i]);
+  return sum;
+}
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)); out may alias x.
+template <class T>
+inline void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  const float r = 1.0f / std::sqrt(sum_of_squares(x, n) / float(n) + eps);
+  const Vec16 vr = vset1(r);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vstore(out + i, vmul(vload(weight + i), round_as<T>(vmul(vload(x + i), vr))));
+  }
+  for (; i < n; ++i) store1(out + i, load1(weight[i]) * round_as<T>(load1(x[i]) * r));
+}
+
+// residual = T(residual + x); x = rms_norm(residual).
+template <class T>
+inline void add_rms_norm_row(T* x, T* residual, const T* weight, int64_t n, float eps) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(residual + i, vadd(vload(residual + i), vload(x + i)));
+  for (; i < n; ++i) store1(residual + i, load1(residual[i]) + load1(x[i]));
+  rms_norm_row(x, residual, weight, n, eps);
+}
+
+// out = T(silu(gate)) * up, gate_up = [gate (d) | up (d)]; silu(g) = g / (1 + e^-g).
+template <class T>
+inline void silu_and_mul_row(T* out, const T* gate_up, int64_t d) {
+  const T* up = gate_up + d;
+  const Vec16 minus_log2e = vset1(-1.4426950408889634f), one = vset1(1.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    const Vec16 g = vload(gate_up + i);
+    const Vec16 denominator = vadd(one, vexp2(vmul(g, minus_log2e)));
+    float quotient[kLanes], gv[kLanes], dv[kLanes];
+    vstore(gv, g);
+    vstore(dv, denominator);
+    for (int l = 0; l < kLanes; ++l) quotient[l] = gv[l] / dv[l];  // exact division, as PyTorch
+    vstore(out + i, vmul(round_as<T>(vload(quotient)), vload(up + i)));
+  }
+  for (; i < d; ++i) {
+    const float g = load1(gate_up[i]);
+    store1(out + i, round_as<T>(g / (1.0f + std::exp(-g))) * load1(up[i]));
+  }
+}
+
+// One head of rotate-half rotary embedding in place: with h = D / 2,
+//   x[i]     = T(T(x[i] * cos[i]) + T(-x[i + h] * sin[i]))
+//   x[i + h] = T(T(x[i + h] * cos[i + h]) + T(x[i] * sin[i + h]))
+template <class T>
+inline void rotary_head(T* x, const T* cos, const T* sin, int64_t half) {
+  int64_t i = 0;
+  for (; i + kLanes <= half; i += kLanes) {
+    const Vec16 x1 = vload(x + i), x2 = vload(x + half + i);
+    const Vec16 lo = vsub(round_as<T>(vmul(x1, vload(cos + i))), round_as<T>(vmul(x2, vload(sin + i))));
+    const Vec16 hi = vadd(round_as<T>(vmul(x2, vload(cos + half + i))), round_as<T>(vmul(x1, vload(sin + half + i))));
+    vstore(x + i, lo);
+    vstore(x + half + i, hi);
+  }
+  for (; i < half; ++i) {
+    const float x1 = load1(x[i]), x2 = load1(x[half + i]);
+    store1(x + i, round_as<T>(x1 * load1(cos[i])) - round_as<T>(x2 * load1(sin[i])));
+    store1(x + half + i, round_as<T>(x2 * load1(cos[half + i])) + round_as<T>(x1 * load1(sin[half + i])));
+  }
+}
+
+template <class T>
+const LayerKernels<T>* layer_kernels_for() {
+  static const LayerKernels<T> kernels{&rms_norm_row<T>, &add_rms_norm_row<T>, &silu_and_mul_row<T>,
+                                       &rotary_head<T>};
+  return &kernels;
+}
