@@ -1,6 +1,10 @@
 """Structured outputs: constrain a request's output to a choice, a regex or a JSON schema.
 
-Built on llguidance. A ``GrammarCompiler`` (one per tokenizer) turns a
+Built on llguidance rather than xgrammar (both run on the CPU): llguidance builds its
+token masks lazily from the tokenizer's trie at each step, so a new schema needs no
+per-vocabulary precompilation (labeling jobs send many distinct schemas), it installs as
+one self-contained wheel with no build step, and its torch helpers fill the masks of a
+whole batch in one parallel call. A ``GrammarCompiler`` (one per tokenizer) turns a
 ``StructuredOutputsParams`` into a compiled grammar, cached by spec; each request
 gets a ``GrammarMatcher`` that masks the logits before sampling and advances on
 each sampled token. Masks come from llguidance as bitmasks, one bit per token
