@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from contbatch.config import EngineConfig, resolve_device, resolve_dtype
+from contbatch.config import EngineConfig, resolve_block_size, resolve_device, resolve_dtype
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import RequestMetrics, RequestOutput
 from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable
@@ -27,7 +27,8 @@ class LLM:
         max_num_seqs: most requests decoded together in one step.
         max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
         max_model_len: longest prompt + completion; default: the model's context length.
-        block_size: tokens per KV-cache block.
+        block_size: tokens per KV-cache block; default 16, or 256 on CUDA with flash-attn
+            installed (flash-attn's paged kernel then serves attention).
         kv_cache_memory: bytes for the KV cache; default 30% of available RAM (logged).
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         seed: seed for requests that do not set their own.
@@ -48,7 +49,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 4096,
         max_model_len: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
@@ -66,6 +67,7 @@ class LLM:
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory, got {type(model).__name__}")
         resolved_device = resolve_device(device)
+        config.block_size = resolve_block_size(config.block_size, resolved_device)
         self.dtype = resolve_dtype(dtype, resolved_device)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(

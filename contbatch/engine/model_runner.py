@@ -129,6 +129,8 @@ class ModelRunner:
             block_tables=self._tensor(block_tables, torch.int32),
             seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32), torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
         )
         return ModelInput(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64), torch.int64),

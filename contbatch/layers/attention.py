@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch import ops
+from contbatch.layers import flash_attention
 
 
 @dataclass
@@ -18,6 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int = 0  # longest query of the step (flash-attn needs it on the host)
+    max_seq_len: int = 0  # longest context of the step
 
 
 class PagedAttention(torch.nn.Module):
@@ -41,6 +44,11 @@ class PagedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        if flash_attention.usable(q, key_cache):
+            return flash_attention.paged_attention(
+                q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                metadata.max_query_len, metadata.max_seq_len, self.scale, self.sliding_window,
+            )
         out = torch.empty_like(q)
         ops.paged_attention(
             out,
