@@ -5,8 +5,21 @@ from pathlib import Path
 from _workloads import REPO_ROOT
 
 DOCS_PATH = REPO_ROOT / "docs" / "performance.md"
-PLOT_NAME = "performance_throughput.png"
-BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
+TAIL_BATCH = 8  # "the tail of a run": decode steps with at most this many requests running
+
+
+def section_key(report: dict) -> str:
+    """Each workload and dtype has its own marked section and plot in the docs."""
+    return f"{report['workload']}-{report['dtype']}"
+
+
+def markers(key: str) -> tuple[str, str]:
+    """Throughput sections are keyed "<workload>-<dtype>"; the kernels table is "kernels"."""
+    return f"<!-- bench:{key}:begin -->", f"<!-- bench:{key}:end -->"
+
+
+def plot_name(key: str) -> str:
+    return f"performance_throughput_{key}.png"
 
 SYSTEM_LABELS = {
     "contbatch": "contbatch",
@@ -43,8 +56,8 @@ def markdown_section(report: dict) -> str:
         "\"Of ceiling\" is ceiling time / wall time.",
     ]
     if "contbatch" in systems and "error" not in systems["contbatch"]:
-        lines += ["", *_contbatch_details(systems["contbatch"])]
-    lines += ["", f"![throughput]({PLOT_NAME})", "", *_notes(systems)]
+        lines += ["", *_contbatch_details(systems["contbatch"], roofline)]
+    lines += ["", f"![throughput]({plot_name(section_key(report))})", "", *_notes(systems)]
     return "\n".join(lines)
 
 
@@ -70,7 +83,7 @@ def _rates(report: dict) -> str:
     ) + " GFLOP/s"
 
 
-def _contbatch_details(result: dict) -> list[str]:
+def _contbatch_details(result: dict, roofline: dict) -> list[str]:
     lines = [
         "contbatch per step:",
         "",
@@ -82,6 +95,7 @@ def _contbatch_details(result: dict) -> list[str]:
         f"{result['kv_blocks_total']} ({result['block_size']} tokens each) | {result['preemptions']} | "
         f"{result['prefix_cache_hit_rate']:.1%} |",
     ]
+    lines += ["", *_step_phases(result), "", _tail_steps(result, roofline)]
     probe = result.get("decode_probe")
     if probe and probe.get("gflops"):
         lines += [
@@ -92,6 +106,69 @@ def _contbatch_details(result: dict) -> list[str]:
             f"(model forward alone: {probe['model_fraction_of_peak']:.1%}).",
         ]
     return lines
+
+
+DECODE_BUCKETS = ((1, 1), (2, 8), (9, 32), (33, 128), (129, None))
+
+
+def _columns(result: dict) -> dict[str, int]:
+    return {name: i for i, name in enumerate(result["step_fields"])}
+
+
+def _decode_steps(result: dict, low: int, high: int | None) -> list:
+    """Steps where every scheduled request decoded one token, with low..high (None: no bound) running."""
+    column = _columns(result)
+    return [
+        s
+        for s in result["step_samples"]
+        if s[column["tokens"]] == s[column["batch"]] and low <= s[column["batch"]] and (high is None or s[column["batch"]] <= high)
+    ]
+
+
+def _step_phases(result: dict) -> list[str]:
+    """Step time grouped by what the steps ran: prefill, or decode at a range of running requests."""
+    column = _columns(result)
+    steps = result["step_samples"]
+    total = sum(s[column["step_s"]] for s in steps) or 1.0
+    groups = [("with prefill", [s for s in steps if s[column["tokens"]] > s[column["batch"]]])]
+    for low, high in DECODE_BUCKETS:
+        label = f"decode, {low} running" if low == high else f"decode, {low}{'-' + str(high) if high else '+'} running"
+        groups.append((label, _decode_steps(result, low, high)))
+    lines = [
+        "Where contbatch's step time goes (steps grouped by what they ran):",
+        "",
+        "| Steps | Count | Time (s) | Share | Mean step (ms) | Model forward (ms) | Output tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, group in groups:
+        if not group:
+            continue
+        seconds = sum(s[column["step_s"]] for s in group)
+        model = sum(s[column["model_s"]] for s in group)
+        sampled = sum(s[column["sampled"]] for s in group)
+        lines.append(
+            f"| {label} | {len(group)} | {seconds:.1f} | {seconds / total:.0%} | {1e3 * seconds / len(group):.1f} | "
+            f"{1e3 * model / len(group):.1f} | {sampled / seconds:.0f} |"
+        )
+    return lines
+
+
+def _tail_steps(result: dict, roofline: dict) -> str:
+    """Small-batch decode steps against the floor set by reading every weight once."""
+    column = _columns(result)
+    tail = _decode_steps(result, 1, TAIL_BATCH)
+    stream_ms = 1e3 * roofline["weight_stream_s"]
+    floor = (
+        f"reading the {roofline['weight_bytes'] / 1e6:.0f} MB of weights once at the copy bandwidth measured in this "
+        f"run ({roofline['copy_gbs']:.1f} GB/s, read + write) takes {stream_ms:.1f} ms"
+    )
+    if not tail:
+        return f"No decode step ran with {TAIL_BATCH} or fewer requests; {floor}."
+    mean_ms = 1e3 * sum(s[column["step_s"]] for s in tail) / len(tail)
+    return (
+        f"Tail of the run: {len(tail)} decode steps with at most {TAIL_BATCH} requests running took {mean_ms:.1f} ms "
+        f"each on average; {floor}, so a tail step costs {mean_ms / stream_ms:.1f}x that."
+    )
 
 
 def _notes(systems: dict) -> list[str]:
@@ -114,16 +191,23 @@ def _notes(systems: dict) -> list[str]:
     return notes
 
 
-def update_docs(report: dict, section: str, docs_path: Path = DOCS_PATH) -> None:
-    """Replace the marked throughput section of docs/performance.md and write the plot beside it."""
+def replace_marked(key: str, section: str, docs_path: Path = DOCS_PATH) -> None:
+    """Replace the text between the ``key`` markers of ``docs_path`` with ``section``."""
+    begin, end = markers(key)
     text = docs_path.read_text()
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"{docs_path} must contain {BEGIN} followed by {END}; add them where the results go")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    docs_path.write_text(f"{head}{BEGIN}\n{section}\n{END}{tail}")
-    plot(report, docs_path.parent / PLOT_NAME)
-    print(f"updated {docs_path} and {docs_path.parent / PLOT_NAME}")
+    if begin not in text or end not in text or text.index(begin) > text.index(end):
+        raise ValueError(f"{docs_path} must contain {begin} followed by {end}; add them where the results go")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    docs_path.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
+
+
+def update_docs(report: dict, section: str, docs_path: Path = DOCS_PATH) -> None:
+    """Replace this workload and dtype's marked section of docs/performance.md and write its plot beside it."""
+    key = section_key(report)
+    replace_marked(key, section, docs_path)
+    plot(report, docs_path.parent / plot_name(key))
+    print(f"updated {docs_path} and {docs_path.parent / plot_name(key)}")
 
 
 def plot(report: dict, path: Path) -> None:

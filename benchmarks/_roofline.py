@@ -40,6 +40,11 @@ class ModelFlops:
             attention_flops_per_context_token=4 * heads * head_dim * layers,
         )
 
+    def weight_bytes(self, element_size: int) -> int:
+        """Bytes of weights one decode step reads: every projection plus the LM head (the
+        embedding rows a step looks up are negligible)."""
+        return (self.non_embedding_params + self.lm_head_params) * element_size
+
     def step_flops(self, num_tokens: int, num_sampled: int, context_sum: int) -> int:
         """FLOPs of one forward over ``num_tokens`` tokens, ``num_sampled`` of them through the LM head."""
         return (
@@ -76,6 +81,19 @@ def matmul_rates(square_size: int = 4096, reps: int = 3) -> dict:
     return rates
 
 
+def copy_bandwidth(reps: int = 5) -> float:
+    """GB/s of the fastest of ``reps`` 512 MiB tensor copies, counting bytes read plus bytes written."""
+    src = torch.ones(2**29, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best / 1e9
+
+
 def _gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int, inner: int = 1) -> float:
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(k, n, dtype=dtype)
@@ -89,8 +107,9 @@ def _gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int, inner: int = 
     return 2 * m * k * n / best / 1e9
 
 
-def ceiling(flops: ModelFlops, requests: list, peak_gflops: float) -> dict:
-    """The fastest this workload could run if every FLOP ran at the peak matmul rate."""
+def ceiling(flops: ModelFlops, requests: list, peak_gflops: float, copy_gbs: float, element_size: int) -> dict:
+    """The fastest this workload could run if every FLOP ran at the peak matmul rate; and the
+    floor of a small-batch decode step: its weights read once at the measured copy bandwidth."""
     total = flops.workload_flops(requests)
     seconds = total / (peak_gflops * 1e9)
     output_tokens = sum(r.max_tokens for r in requests)
@@ -104,4 +123,7 @@ def ceiling(flops: ModelFlops, requests: list, peak_gflops: float) -> dict:
         "ceiling_wall_s": seconds,
         "ceiling_output_tok_s": output_tokens / seconds,
         "ceiling_total_tok_s": total_tokens / seconds,
+        "copy_gbs": copy_gbs,
+        "weight_bytes": flops.weight_bytes(element_size),
+        "weight_stream_s": flops.weight_bytes(element_size) / (copy_gbs * 1e9),
     }

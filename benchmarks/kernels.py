@@ -2,13 +2,13 @@
 
 Decode paged_attention at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_size 64,
 block_size 16, physical blocks shuffled over the whole cache), for batch 1, 32 and 256 and
-contexts 128 to 4096, in bf16 and fp32; achieved bandwidth counts the K/V bytes read, set
+contexts 128 to 4096, in bf16 and fp32, and at batch 256, context 1024 with larger blocks; achieved bandwidth counts the K/V bytes read, set
 against a large tensor copy measured in the same run (read + write bytes). Small batches
 rotate over copies on disjoint blocks, at least 256 MiB in all, so that K/V come from DRAM
 as in a real model with many layers, not from the CPU caches. Also one prefill batch and
 reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
 
-    python benchmarks/kernels.py [--out FILE] [--quick]
+    python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
 """
 
 import argparse
@@ -19,7 +19,13 @@ import torch
 
 from contbatch.ops import reference
 
+from _report import replace_marked
+from _roofline import copy_bandwidth
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+# Block sizes for the batch 256, context 1024 decode rows: a (block, kv head) holds
+# block_size x 128 contiguous bytes of K (and of V) in bf16, and longer runs stream better.
+LARGER_BLOCK_SIZES = (64, 256)
 SCALE = HEAD_SIZE**-0.5
 BATCHES = (1, 32, 256)
 CONTEXTS = (128, 512, 1024, 4096)
@@ -39,25 +45,19 @@ def time_call(fn: Callable[[], None], min_seconds: float = 0.5, max_iters: int =
     return min(times)
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 512 MiB tensor copy, counting bytes read plus bytes written."""
-    src = torch.ones(2**29, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / time_call(lambda: dst.copy_(src)) / 1e9
-
-
 class Cache:
     """One key and value cache for the largest batch x context, shared by all configs."""
 
-    def __init__(self, dtype: torch.dtype, max_tokens: int) -> None:
-        self.num_blocks = max_tokens // BLOCK_SIZE
-        shape = (self.num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+    def __init__(self, dtype: torch.dtype, max_tokens: int, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.num_blocks = max_tokens // block_size
+        shape = (self.num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
         self.key = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
         self.value = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
 
     def batches(self, seq_lens: list[int], query_lens: list[int], copies: int) -> list[tuple]:
         """paged_attention's arguments after `out` for `copies` batches on disjoint shuffled blocks."""
-        blocks = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens]
+        blocks = [-(-n // self.block_size) for n in seq_lens]
         physical = torch.randperm(self.num_blocks)[: copies * sum(blocks)].int()
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.key.dtype).uniform_(-1, 1)
@@ -74,7 +74,7 @@ class Cache:
 
 def attention_row(cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float) -> dict:
     kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache.key.element_size()
-    blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
+    blocks = sum(-(-n // cache.block_size) for n in seq_lens)
     copies = min(-(-ROTATION_BYTES // kv_bytes), cache.num_blocks // blocks)
     batches = cache.batches(seq_lens, query_lens, copies)
     out = torch.empty_like(batches[0][0])
@@ -99,7 +99,7 @@ def reshape_and_cache_row(cache: Cache, num_tokens: int) -> dict:
     dtype = cache.key.dtype
     key = torch.empty(num_tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype).uniform_(-1, 1)
     value = torch.empty_like(key).uniform_(-1, 1)
-    slots = torch.randperm(cache.num_blocks * BLOCK_SIZE)[:num_tokens]
+    slots = torch.randperm(cache.num_blocks * cache.block_size)[:num_tokens]
     compiled = time_call(lambda: torch.ops.contbatch.reshape_and_cache(key, value, cache.key, cache.value, slots))
     ref = time_call(lambda: reference.reshape_and_cache(key, value, cache.key, cache.value, slots), max_iters=20)
     return dict(op=f"reshape_and_cache {num_tokens} tokens", dtype=str(dtype).removeprefix("torch."),
@@ -133,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--quick", action="store_true", help="bf16 only, contexts up to 1024")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the kernels section of docs/performance.md")
     args = parser.parse_args()
     from contbatch import _C  # noqa: F401  (fails loudly when the extension is not built)
 
@@ -151,11 +152,20 @@ def main() -> None:
         for num_tokens in (32, 256, 4096):
             rows.append(reshape_and_cache_row(cache, num_tokens))
         del cache
+        for block_size in LARGER_BLOCK_SIZES:
+            cache = Cache(dtype, 256 * 1024, block_size)
+            name = f"decode batch 256 ctx 1024, block {block_size}"
+            rows.append(attention_row(cache, name, [1024] * 256, [1] * 256, copy_gbs))
+            print(rows[-1], flush=True)
+            del cache
     table = markdown(rows, copy_gbs)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if args.update_docs:
+        command = "python benchmarks/kernels.py --update-docs" + (" --quick" if args.quick else "")
+        replace_marked("kernels", f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`.\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from _report import markdown_section, update_docs  # noqa: E402
-from _roofline import DTYPES, ModelFlops, ceiling, matmul_rates  # noqa: E402
+from _roofline import DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates  # noqa: E402
 from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # noqa: E402
 
 SYSTEMS = ("contbatch", "hf_static", "hf_cb", "hf_serial")
@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"matmul rates ({args.matmul_size}^3 and model-shaped, best of 3)...", flush=True)
     rates = matmul_rates(args.matmul_size)
-    run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[args.dtype]["peak"])
+    copy_gbs = copy_bandwidth()
+    element_size = DTYPES[args.dtype].itemsize
+    run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[args.dtype]["peak"], copy_gbs, element_size)
     command = "python benchmarks/throughput.py " + shlex.join(argv)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -13,7 +13,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from _report import BEGIN, END, update_docs  # noqa: E402
+from _report import markers, update_docs  # noqa: E402
 from _roofline import ModelFlops  # noqa: E402
 from _workloads import load_workload  # noqa: E402
 
@@ -84,7 +84,17 @@ def test_chat256_flops_match_the_hand_count(smollm_dir):
 def test_update_docs_rewrites_only_the_marked_section(report, tmp_path):
     pytest.importorskip("matplotlib")
     docs = tmp_path / "performance.md"
-    docs.write_text(f"# Hand-written\n\n{BEGIN}\nold\n{END}\n\n## Kernels\nkept\n")
+    begin, end = markers("chat256-bf16")
+    other_begin, other_end = markers("chat256-fp32")
+    untouched = f"{other_begin}\nfp32 table\n{other_end}\n"
+    docs.write_text(f"# Hand-written\n\n{begin}\nold\n{end}\n\n{untouched}\n## Kernels\nkept\n")
     update_docs(report, "new table", docs)
-    assert docs.read_text() == f"# Hand-written\n\n{BEGIN}\nnew table\n{END}\n\n## Kernels\nkept\n"
-    assert (tmp_path / "performance_throughput.png").stat().st_size > 0
+    assert docs.read_text() == f"# Hand-written\n\n{begin}\nnew table\n{end}\n\n{untouched}\n## Kernels\nkept\n"
+    assert (tmp_path / "performance_throughput_chat256-bf16.png").stat().st_size > 0
+
+
+def test_report_states_the_tail_step_floor(report):
+    roofline = report["roofline"]
+    assert roofline["copy_gbs"] > 0
+    assert roofline["weight_bytes"] == ModelFlops(**roofline["model"]).weight_bytes(2)  # bf16
+    assert roofline["weight_stream_s"] == pytest.approx(roofline["weight_bytes"] / (roofline["copy_gbs"] * 1e9))
