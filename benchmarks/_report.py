@@ -118,10 +118,11 @@ def _columns(result: dict) -> dict[str, int]:
 def _decode_steps(result: dict, low: int, high: int | None) -> list:
     """Steps where every scheduled request decoded one token, with low..high (None: no bound) running."""
     column = _columns(result)
+    tokens, batch = column["tokens"], column["batch"]
     return [
         s
         for s in result["step_samples"]
-        if s[column["tokens"]] == s[column["batch"]] and low <= s[column["batch"]] and (high is None or s[column["batch"]] <= high)
+        if s[tokens] == s[batch] and low <= s[batch] and (high is None or s[batch] <= high)
     ]
 
 

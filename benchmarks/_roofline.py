@@ -85,26 +85,25 @@ def copy_bandwidth(reps: int = 5) -> float:
     """GB/s of the fastest of ``reps`` 512 MiB tensor copies, counting bytes read plus bytes written."""
     src = torch.ones(2**29, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)
+    return 2 * src.numel() / _fastest(lambda: dst.copy_(src), reps) / 1e9
+
+
+def _fastest(fn, reps: int, inner: int = 1) -> float:
+    """Seconds per call of ``fn``: the best of ``reps`` timings of ``inner`` calls, after one warm-up call."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() / best / 1e9
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
 
 
 def _gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int, inner: int = 1) -> float:
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(k, n, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - start) / inner)
-    return 2 * m * k * n / best / 1e9
+    return 2 * m * k * n / _fastest(lambda: torch.mm(a, b), reps, inner) / 1e9
 
 
 def ceiling(flops: ModelFlops, requests: list, peak_gflops: float, copy_gbs: float, element_size: int) -> dict:
@@ -114,6 +113,7 @@ def ceiling(flops: ModelFlops, requests: list, peak_gflops: float, copy_gbs: flo
     seconds = total / (peak_gflops * 1e9)
     output_tokens = sum(r.max_tokens for r in requests)
     total_tokens = output_tokens + sum(len(r.prompt_token_ids) for r in requests)
+    weight_bytes = flops.weight_bytes(element_size)
     return {
         "model": asdict(flops),
         "workload_tflop": total / 1e12,
@@ -124,6 +124,6 @@ def ceiling(flops: ModelFlops, requests: list, peak_gflops: float, copy_gbs: flo
         "ceiling_output_tok_s": output_tokens / seconds,
         "ceiling_total_tok_s": total_tokens / seconds,
         "copy_gbs": copy_gbs,
-        "weight_bytes": flops.weight_bytes(element_size),
-        "weight_stream_s": flops.weight_bytes(element_size) / (copy_gbs * 1e9),
+        "weight_bytes": weight_bytes,
+        "weight_stream_s": weight_bytes / (copy_gbs * 1e9),
     }

@@ -2,10 +2,11 @@
 
 Decode paged_attention at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_size 64,
 block_size 16, physical blocks shuffled over the whole cache), for batch 1, 32 and 256 and
-contexts 128 to 4096, in bf16 and fp32, and at batch 256, context 1024 with larger blocks; achieved bandwidth counts the K/V bytes read, set
-against a large tensor copy measured in the same run (read + write bytes). Small batches
-rotate over copies on disjoint blocks, at least 256 MiB in all, so that K/V come from DRAM
-as in a real model with many layers, not from the CPU caches. Also one prefill batch and
+contexts 128 to 4096, in bf16 and fp32, and at batch 256, context 1024 with larger blocks.
+Achieved bandwidth counts the K/V bytes read, set against a large tensor copy measured in
+the same run (read + write bytes). Small batches rotate over copies on disjoint blocks, at
+least 256 MiB in all, so that K/V come from DRAM as in a real model with many layers, not
+from the CPU caches. Also one prefill batch and
 reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
