@@ -3,7 +3,10 @@
 //
 // Work items: for each sequence, kv head and tile of query tokens, the query heads of that
 // kv head (GQA) together, at most kMaxRows rows, so each K/V row is read once per tile.
-// Decode (one query per sequence) gives one item per (sequence, kv head). When that is too
+// Where a tile holds whole GQA groups, one item takes up to kMaxKvHeadsPerItem kv heads, so
+// it reads each cache block's kv heads as one contiguous span (a block of one kv head is
+// only block_size x head_size elements, and scattered small reads leave DRAM idle).
+// Decode (one query per sequence) gives one item per sequence and kv-head group. When that is too
 // few items to keep every thread busy (small batch, long context), each item's key range is
 // split into partitions whose partial softmax results are combined afterwards (split-K,
 // like vLLM's paged_attention_v2). Threads take items, most expensive first, from a
@@ -31,6 +34,7 @@ namespace {
 
 using cpu::AttentionArgs;
 using cpu::AttentionKernels;
+using cpu::kMaxKvHeadsPerItem;
 using cpu::kMaxRows;
 using cpu::WorkItem;
 
@@ -69,15 +73,18 @@ void add_sequence_items(std::vector<WorkItem>& items, int32_t seq, int32_t q_beg
   }
   const int32_t heads_per_item = static_cast<int32_t>(std::min<int64_t>(group, kMaxRows));
   const int32_t queries_per_item = kMaxRows / heads_per_item;
+  // Whole GQA groups per item: its kv heads' rows of a cache block are adjacent in memory.
+  const int32_t kv_heads_per_item = heads_per_item == group ? kMaxKvHeadsPerItem : 1;
   for (int32_t qi = 0; qi < q_len; qi += queries_per_item) {
     const int32_t num_queries = std::min(queries_per_item, q_len - qi);
     const int32_t pos = seq_len - q_len + qi;
     const int32_t kv_begin = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
-    for (int32_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    for (int32_t kv_head = 0; kv_head < num_kv_heads; kv_head += kv_heads_per_item) {
+      const int32_t kv_heads = static_cast<int32_t>(std::min<int64_t>(kv_heads_per_item, num_kv_heads - kv_head));
       for (int32_t h = 0; h < group; h += heads_per_item) {
         const int32_t heads = static_cast<int32_t>(std::min<int64_t>(heads_per_item, group - h));
-        items.push_back(WorkItem{seq, kv_head, static_cast<int32_t>(kv_head * group + h), heads, q_begin + qi,
-                                 num_queries, pos, kv_begin, pos + num_queries, -1});
+        items.push_back(WorkItem{seq, kv_head, kv_heads, static_cast<int32_t>(kv_head * group + h), heads,
+                                 q_begin + qi, num_queries, pos, kv_begin, pos + num_queries, -1});
       }
     }
   }
@@ -113,7 +120,7 @@ void plan_items(Plan& plan, const at::Tensor& query, const at::Tensor& key_cache
 }
 
 // Split-K when there are too few items for the threads; the tasks of one item stay adjacent.
-void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size) {
+void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size, int64_t block_size) {
   plan.tasks.clear();
   plan.split_items.clear();
   plan.partial_floats = 0;
@@ -121,7 +128,9 @@ void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size) {
   if (threads > 1 && static_cast<int64_t>(plan.items.size()) < kItemsPerThread * threads) {
     int64_t total_span = 0;
     for (const WorkItem& w : plan.items) total_span += w.kv_end - w.kv_begin;
-    partition = std::max(kMinPartition, (total_span / (kPartitionsPerThread * threads) + 15) / 16 * 16);
+    // Partitions start on cache-block boundaries (and chunk boundaries): see VisitOrder.
+    const int64_t unit = block_size % 16 == 0 ? block_size : 16;
+    partition = (std::max(kMinPartition, total_span / (kPartitionsPerThread * threads)) + unit - 1) / unit * unit;
   }
   for (const WorkItem& w : plan.items) {
     if (w.kv_end - w.kv_begin <= partition) {
@@ -134,14 +143,16 @@ void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size) {
       part.kv_begin = static_cast<int32_t>(k);
       part.kv_end = static_cast<int32_t>(std::min<int64_t>(w.kv_end, k + partition));
       part.partial = plan.partial_floats;
-      plan.partial_floats += int64_t(w.num_heads) * w.num_queries * (head_size + 2);
+      plan.partial_floats += int64_t(w.num_kv_heads) * w.num_heads * w.num_queries * (head_size + 2);
       plan.tasks.push_back(part);
     }
     plan.split_items.emplace_back(begin, static_cast<int64_t>(plan.tasks.size()));
   }
 }
 
-int64_t item_cost(const WorkItem& w) { return int64_t(w.num_heads) * w.num_queries * (w.kv_end - w.kv_begin); }
+int64_t item_cost(const WorkItem& w) {
+  return int64_t(w.num_kv_heads) * w.num_heads * w.num_queries * (w.kv_end - w.kv_begin);
+}
 
 void order_by_cost(Plan& plan) {
   plan.order.resize(plan.tasks.size());
@@ -180,14 +191,15 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   Plan& plan = plan_storage;
   plan_items(plan, query, key_cache, block_tables, seq_lens, query_start_loc, sliding_window);
   if (plan.items.empty()) return;
-  split_key_ranges(plan, at::get_num_threads(), query.size(2));
+  split_key_ranges(plan, at::get_num_threads(), query.size(2), key_cache.size(2));
   order_by_cost(plan);
 
   const AttentionArgs args{query.data_ptr(), query.stride(0), query.stride(1),
                            out.data_ptr(), out.stride(0), out.stride(1),
                            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
                            block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                           key_cache.size(2), query.size(2), static_cast<float>(scale), sliding_window,
+                           key_cache.size(2), query.size(2), query.size(1) / key_cache.size(1),
+                           static_cast<float>(scale), sliding_window,
                            query.scalar_type() == at::kBFloat16};
   const AttentionKernels* kernels = select_kernels();
   at::Tensor partials;  // only split tasks need scratch

@@ -177,43 +177,101 @@ void store_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& it
   }
 }
 
-// Cache offsets of the rows of an item's key chunks i = 0, 1, ... (chunk i starts at key
-// position kv_begin + i * kChunk) in a ring of three: the current chunk and the two after
-// it, which are prefetched into L2 while the current one is computed (blocks are scattered,
-// so K/V come from DRAM with no stream for the hardware prefetcher). Re-prefetching the
-// next chunk measured faster than prefetching each chunk once.
+// The part of `item` that reads its kv head kv_head + g, as a single-kv-head item.
+inline WorkItem kv_head_slice(const AttentionArgs& args, const WorkItem& item, int g) {
+  WorkItem slice = item;
+  slice.kv_head = item.kv_head + g;
+  slice.num_kv_heads = 1;
+  slice.head_begin = item.head_begin + g * static_cast<int32_t>(args.heads_per_kv_head);
+  if (item.partial >= 0) slice.partial += g * int64_t(item.num_heads) * item.num_queries * (args.head_size + 2);
+  return slice;
+}
+
+// The order in which an item visits (chunk, kv head) pairs, chunk i holding key positions
+// from kv_begin + i * kChunk: a run of chunks (a cache block's worth) for its first kv head,
+// the same run for the next kv head, and so on, then the next run. A cache block stores its
+// kv heads one after another, so where the key range starts on a block boundary (the
+// driver aligns split partitions to blocks) this reads each block in address order, one
+// contiguous stream however large the block.
+struct VisitOrder {
+  int num_chunks;
+  int kv_heads;
+  int run;  // chunks per run: those of one cache block, or 1 when a chunk spans blocks
+
+  VisitOrder(const AttentionArgs& args, const WorkItem& item)
+      : num_chunks((item.kv_end - item.kv_begin + kChunk - 1) / kChunk),
+        kv_heads(item.num_kv_heads),
+        run(args.block_size % kChunk == 0 ? static_cast<int>(args.block_size / kChunk) : 1) {}
+
+  int size() const { return num_chunks * kv_heads; }
+
+  // Visit p as (chunk, kv head): every run but the last has run * kv_heads visits.
+  void at(int p, int& chunk, int& head) const {
+    const int r = p / (run * kv_heads);
+    const int begin = r * run;
+    const int length = num_chunks - begin < run ? num_chunks - begin : run;
+    const int within = p - r * run * kv_heads;
+    head = within / length;
+    chunk = begin + within % length;
+  }
+};
+
+// Cache offsets of the K/V rows of an item's visits in a ring: the current visit and the
+// kPrefetchVisits after it, which are prefetched into L2 while the current one is computed
+// (blocks are scattered, so K/V come from DRAM with no stream for the hardware prefetcher).
+// Re-prefetching the next visit measured faster than prefetching each visit once; 4 or 6
+// visits ahead, or prefetching into L1 or L3 instead, measured no faster.
+constexpr int kPrefetchVisits = 2;
+constexpr int kRing = kPrefetchVisits + 1;
 template <class T, int D>
-struct ChunkRing {
+struct VisitRing {
   const AttentionArgs& args;
   const WorkItem& item;
+  const VisitOrder order;
   const int32_t* table;
-  const T* k_base;
+  const T* k_base;  // kv head item.kv_head of block 0
   const T* v_base;
-  int64_t offsets[3][kChunk];
-  int lengths[3];
+  int64_t offsets[kRing][kChunk];
+  int lengths[kRing];
+  int32_t starts[kRing];  // key position of the visit's first row
+  int heads[kRing];       // kv head of the visit, relative to item.kv_head
 
-  int num_chunks() const { return (item.kv_end - item.kv_begin + kChunk - 1) / kChunk; }
-  int length(int i) const { return lengths[i % 3]; }
+  VisitRing(const AttentionArgs& args, const WorkItem& item)
+      : args(args),
+        item(item),
+        order(args, item),
+        table(args.block_tables + item.seq * args.block_table_stride),
+        k_base(static_cast<const T*>(args.key_cache) + item.kv_head * args.cache_head_stride),
+        v_base(static_cast<const T*>(args.value_cache) + item.kv_head * args.cache_head_stride) {}
 
-  void locate(int i) {
-    const int32_t c0 = item.kv_begin + i * kChunk;
+  int length(int p) const { return lengths[p % kRing]; }
+  int32_t start(int p) const { return starts[p % kRing]; }
+  int head(int p) const { return heads[p % kRing]; }
+
+  void locate(int p) {
+    int chunk, head;
+    order.at(p, chunk, head);
+    const int32_t c0 = item.kv_begin + chunk * kChunk;
     const int n = item.kv_end - c0 < kChunk ? item.kv_end - c0 : kChunk;
     const int64_t block_size = args.block_size, block_stride = args.cache_block_stride;
+    const int64_t head_offset = head * args.cache_head_stride;
     int64_t block = c0 / block_size, offset = c0 % block_size;
-    int64_t* at = offsets[i % 3];
+    int64_t* at = offsets[p % kRing];
     for (int t = 0; t < n; ++t) {
-      at[t] = table[block] * block_stride + offset * D;
+      at[t] = table[block] * block_stride + head_offset + offset * D;
       if (++offset == block_size) {
         offset = 0;
         ++block;
       }
     }
-    lengths[i % 3] = n;
+    lengths[p % kRing] = n;
+    starts[p % kRing] = c0;
+    heads[p % kRing] = head;
   }
 
-  void prefetch(int i) const {
-    const int64_t* at = offsets[i % 3];
-    const int n = lengths[i % 3];
+  void prefetch(int p) const {
+    const int64_t* at = offsets[p % kRing];
+    const int n = lengths[p % kRing];
     for (int t = 0; t < n; ++t) {
       for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k_base + at[t]) + byte, 0, 2);
@@ -222,10 +280,10 @@ struct ChunkRing {
     }
   }
 
-  // K and V rows of chunk i, padding K to kChunk rows with row 0 (scored, then masked out).
-  void rows_of(int i, const T** k_rows, const T** v_rows) const {
-    const int64_t* at = offsets[i % 3];
-    const int n = lengths[i % 3];
+  // K and V rows of visit p, padding K to kChunk rows with row 0 (scored, then masked out).
+  void rows_of(int p, const T** k_rows, const T** v_rows) const {
+    const int64_t* at = offsets[p % kRing];
+    const int n = lengths[p % kRing];
     for (int t = 0; t < n; ++t) {
       k_rows[t] = k_base + at[t];
       v_rows[t] = v_base + at[t];
@@ -236,40 +294,42 @@ struct ChunkRing {
 
 template <class T, int NC>
 void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
-  Rows<T, NC> rows;
-  load_rows(rows, args, item);
-  ChunkRing<T, 16 * NC> ring{args, item, args.block_tables + item.seq * args.block_table_stride,
-                             static_cast<const T*>(args.key_cache) + item.kv_head * args.cache_head_stride,
-                             static_cast<const T*>(args.value_cache) + item.kv_head * args.cache_head_stride};
-  const int num_chunks = ring.num_chunks();
-  for (int i = 0; i < 2 && i < num_chunks; ++i) ring.locate(i);
+  Rows<T, NC> rows[kMaxKvHeadsPerItem];
+  for (int g = 0; g < item.num_kv_heads; ++g) load_rows(rows[g], args, kv_head_slice(args, item, g));
+  VisitRing<T, 16 * NC> ring(args, item);
+  const int visits = ring.order.size();
+  for (int p = 0; p < kPrefetchVisits && p < visits; ++p) ring.locate(p);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
   const T* k_rows[kChunk];
   const T* v_rows[kChunk];
-  for (int i = 0; i < num_chunks; ++i) {
-    ring.rows_of(i, k_rows, v_rows);
-    const int n = ring.length(i);
-    if (i + 2 < num_chunks) ring.locate(i + 2);
-    for (int ahead = i + 1; ahead < i + 3 && ahead < num_chunks; ++ahead) ring.prefetch(ahead);
-    softmax_chunk(rows, k_rows, item.kv_begin + i * kChunk, n, scale_log2);
-    accumulate_chunk(rows, v_rows, n);
+  for (int p = 0; p < visits; ++p) {
+    ring.rows_of(p, k_rows, v_rows);
+    Rows<T, NC>& head_rows = rows[ring.head(p)];
+    const int n = ring.length(p);
+    const int32_t c0 = ring.start(p);
+    if (p + kPrefetchVisits < visits) ring.locate(p + kPrefetchVisits);
+    for (int ahead = p + 1; ahead <= p + kPrefetchVisits && ahead < visits; ++ahead) ring.prefetch(ahead);
+    softmax_chunk(head_rows, k_rows, c0, n, scale_log2);
+    accumulate_chunk(head_rows, v_rows, n);
   }
-  store_rows(rows, args, item, partials);
+  for (int g = 0; g < item.num_kv_heads; ++g) store_rows(rows[g], args, kv_head_slice(args, item, g), partials);
 }
 
+// Combines the partial results of kv head g of one item split into num_parts partitions.
 template <class T>
-void reduce_item_partitions(const AttentionArgs& args, const WorkItem* parts, int num_parts, const float* partials) {
-  const WorkItem& item = parts[0];
+void reduce_kv_head(const AttentionArgs& args, const WorkItem* parts, int num_parts, const float* partials, int g) {
+  const WorkItem item = kv_head_slice(args, parts[0], g);
+  const int64_t slice_offset = item.partial - parts[0].partial;  // the same in every partition
   const int heads = item.num_heads;
   const int rows = heads * item.num_queries;
   const int64_t D = args.head_size;
   T* out_base = static_cast<T*>(args.out);
   for (int r = 0; r < rows; ++r) {
     float m = -INFINITY;
-    for (int i = 0; i < num_parts; ++i) m = std::fmax(m, partials[parts[i].partial + r]);
+    for (int i = 0; i < num_parts; ++i) m = std::fmax(m, partials[parts[i].partial + slice_offset + r]);
     float l = 0.0f;
     for (int i = 0; i < num_parts; ++i) {
-      const float* part = partials + parts[i].partial;
+      const float* part = partials + parts[i].partial + slice_offset;
       l += part[rows + r] * std::exp2(part[r] - m);
     }
     const int qi = r / heads, h = r % heads;
@@ -277,13 +337,18 @@ void reduce_item_partitions(const AttentionArgs& args, const WorkItem* parts, in
     for (int64_t d = 0; d < D; d += 16) {
       Vec16 sum = vzero();
       for (int i = 0; i < num_parts; ++i) {
-        const float* part = partials + parts[i].partial;
+        const float* part = partials + parts[i].partial + slice_offset;
         if (part[r] == -INFINITY) continue;  // no visible key in this partition
         sum = vfma(vset1(std::exp2(part[r] - m) / l), vload(part + 2 * rows + r * D + d), sum);
       }
       vstore(dst + d, sum);
     }
   }
+}
+
+template <class T>
+void reduce_item_partitions(const AttentionArgs& args, const WorkItem* parts, int num_parts, const float* partials) {
+  for (int g = 0; g < parts[0].num_kv_heads; ++g) reduce_kv_head<T>(args, parts, num_parts, partials, g);
 }
 
 template <class T>

@@ -28,18 +28,23 @@ struct AttentionArgs {
   const int32_t* block_tables;
   int64_t block_table_stride;
   int64_t block_size;
-  int64_t head_size;  // a multiple of 16, at most 256
+  int64_t head_size;        // a multiple of 16, at most 256
+  int64_t heads_per_kv_head;  // query heads sharing one kv head (GQA group)
   float scale;
   int64_t sliding_window;  // <= 0: none
   bool bf16;               // element type of query, out and caches: bf16 if true, else fp32
 };
 
-// Query rows and key positions one task attends. Its rows are r = q * num_heads + h for the
-// query tokens token_begin + q (q < num_queries, at positions pos_begin + q) and the query
-// heads head_begin + h (h < num_heads), all of which share kv head kv_head.
+// Query rows and key positions one task attends. For each of its kv heads kv_head + g
+// (g < num_kv_heads), its rows are r = q * num_heads + h for the query tokens
+// token_begin + q (q < num_queries, at positions pos_begin + q) and the query heads
+// head_begin + g * heads_per_kv_head + h (h < num_heads). An item with more than one kv head
+// covers whole GQA groups (num_heads == heads_per_kv_head): it reads each cache block's kv
+// heads together, one contiguous span instead of several scattered ones.
 struct WorkItem {
   int32_t seq;
   int32_t kv_head;
+  int32_t num_kv_heads;
   int32_t head_begin;
   int32_t num_heads;
   int32_t token_begin;
@@ -48,12 +53,13 @@ struct WorkItem {
   int32_t kv_begin;  // key positions [kv_begin, kv_end)
   int32_t kv_end;
   // -1: normalise and write `out`. Else offset (in floats) of this item's partial result
-  // (split-K): m[rows] (running max, base 2), l[rows], acc[rows][head_size], combined by
-  // reduce_partitions.
+  // (split-K): per kv head, m[rows] (running max, base 2), l[rows], acc[rows][head_size],
+  // combined by reduce_partitions.
   int64_t partial;
 };
 
-constexpr int kMaxRows = 16;  // rows of one WorkItem: num_heads * num_queries
+constexpr int kMaxRows = 16;        // rows of one WorkItem per kv head: num_heads * num_queries
+constexpr int kMaxKvHeadsPerItem = 4;  // kv heads of one WorkItem
 
 struct AttentionKernels {
   void (*attend)(const AttentionArgs& args, const WorkItem& item, float* partials);

@@ -26,10 +26,10 @@ def run_both(batch, scale: float, sliding_window: int, isa: str = "auto") -> tup
 @st.composite
 def batches(draw):
     dtype = draw(st.sampled_from(DTYPES))
-    block_size = draw(st.sampled_from([8, 16, 32]))
+    block_size = draw(st.sampled_from([8, 16, 32, 48]))
     head_size = draw(st.sampled_from([64, 80, 96, 128, 256]))
-    num_kv_heads = draw(st.integers(1, 3))
-    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    num_kv_heads = draw(st.integers(1, 6))  # work items take up to 4 kv heads
+    group = draw(st.sampled_from([1, 2, 3, 4, 8, 32]))  # 32: a group spans several items
     num_seqs = draw(st.integers(1, 4))
     seq_lens, query_lens = [], []
     for _ in range(num_seqs):
@@ -70,11 +70,13 @@ def test_smollm_decode_batch(dtype, isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("query_len, window", [(1, -1), (1, 300), (5, -1), (5, 300), (40, 100)])
-def test_split_key_ranges(dtype, isa, query_len, window):
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(4, 1, 16), (10, 5, 64)])
+def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads, block_size):
     """One long sequence: too few work items for 2 threads, so key ranges are split and the
-    partial softmaxes merged (with a window, some partitions hold no key for some rows)."""
+    partial softmaxes merged (with a window, some partitions hold no key for some rows).
+    5 kv heads make one item of 4 kv heads and one of 1, each split."""
     gen = torch.Generator().manual_seed(query_len)
-    batch = random_batch(gen, [2500], [query_len], 4, 1, 64, 16, dtype)
+    batch = random_batch(gen, [2500], [query_len], num_heads, num_kv_heads, 64, block_size, dtype)
     with num_threads(2):
         out, expected = run_both(batch, 0.125, window, isa)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
