@@ -6,8 +6,8 @@ contexts 128 to 4096, in bf16 and fp32, and at batch 256, context 1024 with larg
 Achieved bandwidth counts the K/V bytes read, set against a large tensor copy measured in
 the same run (read + write bytes). Small batches rotate over copies on disjoint blocks, at
 least 256 MiB in all, so that K/V come from DRAM as in a real model with many layers, not
-from the CPU caches. Also one prefill batch and
-reshape_and_cache. Prints a markdown table; --out FILE writes it to FILE too.
+from the CPU caches. Also one prefill batch and reshape_and_cache. Prints a markdown table;
+--out FILE writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
 """
@@ -24,8 +24,9 @@ from _report import replace_marked
 from _roofline import copy_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
-# Block sizes for the batch 256, context 1024 decode rows: a (block, kv head) holds
-# block_size x 128 contiguous bytes of K (and of V) in bf16, and longer runs stream better.
+# Block sizes for the batch 256, context 1024 decode rows: a block holds
+# block_size x 128 x 3 contiguous bytes of K (and of V) in bf16 (all kv heads, which one
+# work item reads together), and longer runs stream better.
 LARGER_BLOCK_SIZES = (64, 256)
 SCALE = HEAD_SIZE**-0.5
 BATCHES = (1, 32, 256)

@@ -119,6 +119,9 @@ void plan_items(Plan& plan, const at::Tensor& query, const at::Tensor& key_cache
   }
 }
 
+// Query rows an item attends, over all its kv heads.
+int64_t item_rows(const WorkItem& w) { return int64_t(w.num_kv_heads) * w.num_heads * w.num_queries; }
+
 // Split-K when there are too few items for the threads; the tasks of one item stay adjacent.
 void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size, int64_t block_size) {
   plan.tasks.clear();
@@ -143,16 +146,14 @@ void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size, int64_t bl
       part.kv_begin = static_cast<int32_t>(k);
       part.kv_end = static_cast<int32_t>(std::min<int64_t>(w.kv_end, k + partition));
       part.partial = plan.partial_floats;
-      plan.partial_floats += int64_t(w.num_kv_heads) * w.num_heads * w.num_queries * (head_size + 2);
+      plan.partial_floats += item_rows(w) * (head_size + 2);
       plan.tasks.push_back(part);
     }
     plan.split_items.emplace_back(begin, static_cast<int64_t>(plan.tasks.size()));
   }
 }
 
-int64_t item_cost(const WorkItem& w) {
-  return int64_t(w.num_kv_heads) * w.num_heads * w.num_queries * (w.kv_end - w.kv_begin);
-}
+int64_t item_cost(const WorkItem& w) { return item_rows(w) * (w.kv_end - w.kv_begin); }
 
 void order_by_cost(Plan& plan) {
   plan.order.resize(plan.tasks.size());
