@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace contbatch {
@@ -23,5 +25,11 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
                           const at::Tensor& sin);
+
+// bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only; and which
+// kernel build the CPU ops run now ("avx512_bf16" or "generic").
+void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                     const std::optional<at::Tensor>& bias);
+std::string cpu_kernel_isa();
 
 }  // namespace contbatch

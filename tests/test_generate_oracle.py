@@ -177,3 +177,35 @@ def test_compiled_ops_are_what_ran():
         pytest.skip("extension not built or reference ops forced: the tests ran on the reference")
     assert ops.BACKEND == "native"
     assert ops.paged_attention is torch.ops.contbatch.paged_attention
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, smollm_dir, smollm_expected):
+    """bf16, the default on CPUs with AVX512_BF16 (and the panel-layout linear kernel there):
+    every greedy token we pick is HF's bf16 argmax given the same prefix, or within bf16
+    rounding of it. One request alone (1-row matmuls) and ten together (up to ~300 rows)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt_ids, _ = smollm_expected
+    prompt_ids = prompt_ids if batched else prompt_ids[:1]
+    llm = LLM(smollm_dir, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True)
+    if ops.fast_bf16_linear_available():
+        assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.packed_weight.layout == "panels"
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.bfloat16).eval()
+    for ids, output in zip(prompt_ids, outputs):
+        ours = output.outputs[0].token_ids
+        assert len(ours) == 24
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids + ours])).logits[0, len(ids) - 1 : -1].float()
+        gaps = logits.max(dim=-1).values - logits[torch.arange(len(ours)), torch.tensor(ours)]
+        # bf16 logits of SmolLM2 (|logit| < 32) are spaced 0.125 apart; sums in another
+        # order move them by a few steps. A wrong token scores many units below the argmax.
+        assert float(gaps.max()) <= BF16_NEAR_TIE_TOL, f"gaps per token: {gaps.tolist()}"
+
+
+BF16_NEAR_TIE_TOL = 0.5

@@ -1,48 +1,85 @@
-"""Linear layers with weights laid out once for oneDNN on CPU.
+"""Linear layers with weights laid out once, after loading, for a fast CPU kernel.
 
 PyTorch's CPU ``F.linear`` takes a plain row-major weight and pays for that layout on
-every call. Re-laying the weight out once into oneDNN's blocked format and calling
-oneDNN directly ran 1.3-2.4x faster on this project's CPU for the few-token matmuls of
-decode (measured for SmolLM2's shapes, bf16 and fp32), and no slower at 256 tokens;
-bf16 results are bit-identical to ``F.linear``.
+every call. Two layouts replace it:
+
+- ``panels`` (bf16 on CPUs with AVX512_BF16): contbatch's own ``bf16_linear`` kernel
+  (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``). Over SmolLM2's
+  121 projections it streamed the weights at 31 GB/s for one to four rows where oneDNN
+  read 20-22 GB/s (8.6 against 13.3 ms a step at one row), stayed ahead up to 256 rows and
+  was level at 720 (benchmarks/kernels.py measures it). Sums are fp32 in a different
+  order from oneDNN's, so a result can differ from ``F.linear`` by one bf16 rounding step.
+- ``onednn`` (fp32, and bf16 where the kernel above does not run): oneDNN's blocked
+  format, called directly; 1.3-2.4x faster than ``F.linear`` for the few-token matmuls of
+  decode and no slower at 256 tokens, with ``F.linear``'s results.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+from contbatch import ops
+from contbatch.ops.panel_layout import pack_panels
+
+_ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out_features, in_features] in a kernel's layout; read by ``packed_linear``."""
+
+    data: torch.Tensor
+    layout: str  # "panels" or "onednn"
+    out_features: int
+
+
+def _onednn_can_pack(weight: torch.Tensor) -> bool:
     return (
-        weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
+        weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in oneDNN's layout; only ``packed_linear`` can read the result."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The fastest layout this CPU and build have for ``weight``; None: keep it plain."""
+    if weight.device.type != "cpu":
+        return None
+    weight = weight.detach()
+    if weight.dtype == torch.bfloat16 and ops.fast_bf16_linear_available():
+        return PackedWeight(pack_panels(weight), "panels", weight.shape[0])
+    if _onednn_can_pack(weight):
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), "onednn", weight.shape[0])
+    return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.layout == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype, device=x.device)
+    ops.bf16_linear(out, rows, packed.data, bias)
+    return out.view(*x.shape[:-1], packed.out_features)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can swap its weight for a oneDNN-packed one after loading."""
+    """``nn.Linear`` that can swap its weight for a packed one after loading."""
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PackedWeight | None = None
 
     def pack(self) -> bool:
-        """Re-lay the weight out for oneDNN (and free the plain copy); False where not possible."""
-        if self.packed_weight is not None or not can_pack(self.weight):
+        """Re-lay the weight out (and free the plain copy); False where no layout applies."""
+        if self.packed_weight is not None:
             return False
-        self.packed_weight = pack_weight(self.weight)
-        # The plain layout is never read again; keep only its shape so repr() still works.
+        packed = pack_weight(self.weight)
+        if packed is None:
+            return False
+        self.packed_weight = packed
+        # The plain layout is never read again; keep only its dtype so repr() still works.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return True
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from contbatch.layers.activation import silu_and_mul
 from contbatch.layers.attention import AttentionMetadata, PagedAttention
-from contbatch.layers.linear import Linear, can_pack, pack_linears, pack_weight, packed_linear
+from contbatch.layers.linear import Linear, PackedWeight, pack_linears, pack_weight, packed_linear
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
@@ -99,12 +99,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
-        self.tied_head_packed: torch.Tensor | None = None  # the embedding matrix packed as the LM head
+        self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
 
     def pack_weights(self) -> None:
-        """After loading: lay every projection (and a tied LM head) out for oneDNN on CPU."""
+        """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel."""
         pack_linears(self)
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+        if self.lm_head is None:
             self.tied_head_packed = pack_weight(self.embed_tokens.weight)
 
     def init_rotary(self, max_positions: int) -> None:

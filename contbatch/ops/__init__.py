@@ -65,4 +65,23 @@ if _native is not None:
 else:
     rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = (getattr(reference, n) for n in LAYER_OPS)
 
-__all__ = ["BACKEND", "reshape_and_cache", "paged_attention", "copy_blocks", *LAYER_OPS, "reference"]
+
+
+def fast_bf16_linear_available() -> bool:
+    """Whether ``bf16_linear`` runs the AVX512_BF16 kernel now: only then do bf16 weights
+    take its panel layout (elsewhere oneDNN's own layout is faster)."""
+    return _native is not None and _native.cpu_kernel_isa() == "avx512_bf16"
+
+
+bf16_linear = _native.bf16_linear if _native is not None else reference.bf16_linear
+
+__all__ = [
+    "BACKEND",
+    "reshape_and_cache",
+    "paged_attention",
+    "copy_blocks",
+    *LAYER_OPS,
+    "bf16_linear",
+    "fast_bf16_linear_available",
+    "reference",
+]

@@ -21,6 +21,8 @@ Varlen batch layout:
 import torch
 import torch.nn.functional as F
 
+from contbatch.ops.panel_layout import unpack_panels
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -142,3 +144,14 @@ def rotary_embedding(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def bf16_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = x @ weight.T (+ bias) for a weight in the panel layout (ops/panel_layout.py):
+    fp32 sums, rounded to out's dtype once, after the bias."""
+    weight = unpack_panels(packed_weight, out.shape[1], x.shape[1])
+    result = x.float() @ weight.float().T
+    if bias is not None:
+        result += bias.float()
+    out.copy_(result)
+

@@ -18,8 +18,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -42,19 +40,8 @@ constexpr int64_t kItemsPerThread = 4;     // fewer than this per thread: split 
 constexpr int64_t kMinPartition = 256;     // key positions per partition, at least
 constexpr int64_t kPartitionsPerThread = 8;
 
-// CONTBATCH_CPU_ISA: unset or "auto" picks the best; "generic" or "avx512" force one.
 const AttentionKernels* select_kernels() {
-  static const bool has_avx512 = cpu::cpu_has_avx512_bf16() && cpu::avx512_kernels() != nullptr;
-  const char* env = std::getenv("CONTBATCH_CPU_ISA");
-  const std::string_view isa = env == nullptr ? "auto" : env;
-  if (isa == "generic") return cpu::generic_kernels();
-  if (isa == "avx512") {
-    TORCH_CHECK_VALUE(has_avx512, "CONTBATCH_CPU_ISA=avx512, but this CPU or build lacks AVX-512 with AVX512_BF16");
-    return cpu::avx512_kernels();
-  }
-  TORCH_CHECK_VALUE(isa == "auto" || isa.empty(), "CONTBATCH_CPU_ISA must be auto, generic or avx512, got '", isa,
-                    "'");
-  return has_avx512 ? cpu::avx512_kernels() : cpu::generic_kernels();
+  return cpu::use_avx512_kernels(cpu::avx512_kernels() != nullptr) ? cpu::avx512_kernels() : cpu::generic_kernels();
 }
 
 // Checks each sequence's lengths and block ids, then appends its work items.

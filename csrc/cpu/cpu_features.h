@@ -1,5 +1,10 @@
-// Runtime CPU feature check shared by the kernel drivers (attention.cpp, layers.cpp).
+// Runtime CPU feature check and kernel-build choice shared by the CPU op drivers.
 #pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string_view>
 
 namespace contbatch::cpu {
 
@@ -13,6 +18,25 @@ inline bool cpu_has_avx512_bf16() {
 #else
   return false;
 #endif
+}
+
+// Whether the ops run the AVX-512 kernels (`built`: this build compiled them) or the
+// generic ones. CONTBATCH_CPU_ISA unset or "auto" picks AVX-512 where the CPU has it;
+// "generic" or "avx512" force one. Read on every call, so tests can compare both builds
+// in one process.
+inline bool use_avx512_kernels(bool built) {
+  static const bool has_avx512 = cpu_has_avx512_bf16();
+  const char* env = std::getenv("CONTBATCH_CPU_ISA");
+  const std::string_view isa = env == nullptr ? "auto" : env;
+  if (isa == "generic") return false;
+  if (isa == "avx512") {
+    TORCH_CHECK_VALUE(has_avx512 && built,
+                      "CONTBATCH_CPU_ISA=avx512, but this CPU or build lacks AVX-512 with AVX512_BF16");
+    return true;
+  }
+  TORCH_CHECK_VALUE(isa == "auto" || isa.empty(), "CONTBATCH_CPU_ISA must be auto, generic or avx512, got '", isa,
+                    "'");
+  return has_avx512 && built;
 }
 
 }  // namespace contbatch::cpu

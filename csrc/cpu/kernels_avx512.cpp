@@ -1,4 +1,4 @@
-// The CPU kernels (attention_kernel.h, layers_kernel.h) compiled for AVX-512
+// The CPU kernels (attention_kernel.h, layers_kernel.h, linear_kernel.h) compiled for AVX-512
 // (avx512f/bw/vl/dq + avx512_bf16) through a function-level target pragma: the rest of the
 // extension keeps the baseline ISA, and the drivers call these functions only after a
 // runtime CPU check (cpu_features.h). Everything here has internal linkage, so no AVX-512
@@ -10,6 +10,7 @@
 
 #include "attention_kernel_api.h"
 #include "layers_kernel_api.h"
+#include "linear_kernel_api.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 
@@ -25,6 +26,7 @@ namespace {
 #include "simd_avx512.h"
 #include "attention_kernel.h"
 #include "layers_kernel.h"
+#include "linear_kernel.h"
 }  // namespace
 }  // namespace contbatch::cpu
 #pragma GCC pop_options
@@ -35,6 +37,10 @@ const LayerKernelSet* avx512_layer_kernels() {
   static const LayerKernelSet set{layer_kernels_for<float>(), layer_kernels_for<uint16_t>()};
   return &set;
 }
+const LinearKernels* avx512_linear_kernels() {
+  static const LinearKernels kernels{&linear_bf16_panel};
+  return &kernels;
+}
 }  // namespace contbatch::cpu
 
 #else
@@ -42,6 +48,7 @@ const LayerKernelSet* avx512_layer_kernels() {
 namespace contbatch::cpu {
 const AttentionKernels* avx512_kernels() { return nullptr; }
 const LayerKernelSet* avx512_layer_kernels() { return nullptr; }
+const LinearKernels* avx512_linear_kernels() { return nullptr; }
 }  // namespace contbatch::cpu
 
 #endif

@@ -5,8 +5,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
-#include <string_view>
 
 #include "../op_checks.h"
 #include "../ops.h"
@@ -16,16 +14,10 @@
 namespace contbatch {
 namespace {
 
-// Same choice and CONTBATCH_CPU_ISA override as the attention kernels (read on every
-// call, so tests can compare both builds in one process).
 const cpu::LayerKernelSet& layer_kernels() {
-  static const cpu::LayerKernelSet* const avx512 =
-      cpu::cpu_has_avx512_bf16() ? cpu::avx512_layer_kernels() : nullptr;
   static const cpu::LayerKernelSet generic = cpu::generic_layer_kernels();
-  const char* env = std::getenv("CONTBATCH_CPU_ISA");
-  const std::string_view isa = env == nullptr ? "auto" : env;
-  if (isa == "generic" || avx512 == nullptr) return generic;
-  return *avx512;
+  const cpu::LayerKernelSet* avx512 = cpu::avx512_layer_kernels();
+  return cpu::use_avx512_kernels(avx512 != nullptr) ? *avx512 : generic;
 }
 
 // Rows per task: a thread is only worth waking for ~16K elements of work.

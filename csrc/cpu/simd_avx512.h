@@ -66,6 +66,14 @@ inline Vec16 vsum_transpose(Vec16 v[16]) {
 
 constexpr int kLanes = 16;
 
+// bf16 pair dot products for the linear kernel: lane i of a PairVec holds the pair
+// (w[2i], w[2i + 1]); vdot_pairs adds w[2i] * x.even + w[2i + 1] * x.odd to lane i.
+using PairVec = __m512bh;
+using InputPair = __m512bh;
+inline PairVec vload_pairs(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+inline InputPair vbroadcast_pair(uint32_t bits) { return reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(bits))); }
+inline Vec16 vdot_pairs(Vec16 acc, PairVec w, InputPair x) { return _mm512_dpbf16_ps(acc, w, x); }
+
 // Query rows for qk_tile and accumulator rows for accumulate_pv_pairs: fp32 as they are,
 // bf16 zero-padded to a multiple of 32 elements (whole bf16 pair chunks).
 template <class T, int NC>

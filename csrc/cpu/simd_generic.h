@@ -86,6 +86,33 @@ inline Vec16 vexp2(Vec16 x) {
 
 constexpr int kLanes = 16;
 
+// bf16 pair dot products for the linear kernel, in vdpbf16ps's order: the odd products
+// are added first, then the even ones (products of bf16 are exact in fp32).
+struct PairVec {
+  float even[16], odd[16];
+};
+struct InputPair {
+  float even, odd;
+};
+inline PairVec vload_pairs(const uint16_t* p) {
+  PairVec r;
+  for (int i = 0; i < 16; ++i) {
+    r.even[i] = bf16_to_float(p[2 * i]);
+    r.odd[i] = bf16_to_float(p[2 * i + 1]);
+  }
+  return r;
+}
+inline InputPair vbroadcast_pair(uint32_t bits) {
+  return {bf16_to_float(uint16_t(bits & 0xFFFF)), bf16_to_float(uint16_t(bits >> 16))};
+}
+inline Vec16 vdot_pairs(Vec16 acc, const PairVec& w, InputPair x) {
+  for (int i = 0; i < 16; ++i) {
+    acc.v[i] += w.odd[i] * x.odd;
+    acc.v[i] += w.even[i] * x.even;
+  }
+  return acc;
+}
+
 template <class T, int NC>
 constexpr int query_row_len() {
   return NC * 16;

@@ -1,25 +1,32 @@
-"""Linear layers packed for oneDNN give F.linear's results (bf16 bit for bit)."""
+"""Packed Linear layers give F.linear's results: oneDNN's layout bit for bit, the bf16
+panel layout (AVX512_BF16 CPUs) within one bf16 rounding step."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from contbatch.layers.linear import Linear, can_pack
+from contbatch import ops
+from contbatch.layers import linear
+from contbatch.layers.linear import Linear
+
+
+def _layer_and_expected(dtype, bias, rows):
+    torch.manual_seed(rows)
+    layer = Linear(96, 80, bias=bias).to(dtype).requires_grad_(False)
+    bias_value = None if layer.bias is None else layer.bias.clone()
+    x = torch.randn(rows, 96).to(dtype)
+    return layer, x, F.linear(x, layer.weight.clone(), bias_value)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_packed_linear_equals_f_linear(dtype, bias, rows):
-    torch.manual_seed(rows)
-    layer = Linear(96, 80, bias=bias).to(dtype)
-    weight = layer.weight.detach().clone()
-    bias_value = None if layer.bias is None else layer.bias.detach().clone()
-    x = torch.randn(rows, 96).to(dtype)
-    expected = F.linear(x, weight, bias_value)
-    if not can_pack(layer.weight):
+def test_onednn_packed_linear_equals_f_linear(dtype, bias, rows, monkeypatch):
+    monkeypatch.setattr(linear.ops, "fast_bf16_linear_available", lambda: False)
+    if not linear._onednn_can_pack(torch.empty(1, dtype=dtype)):
         pytest.skip("this torch build has no oneDNN")
-    assert layer.pack() and layer.packed_weight is not None
+    layer, x, expected = _layer_and_expected(dtype, bias, rows)
+    assert layer.pack() and layer.packed_weight.layout == "onednn"
     assert not layer.pack(), "packing twice must be a no-op"
     with torch.inference_mode():
         out = layer(x)
@@ -29,7 +36,19 @@ def test_packed_linear_equals_f_linear(dtype, bias, rows):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_dtypes_onednn_cannot_pack_stay_plain():
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_panel_packed_linear_matches_f_linear(bias, rows):
+    if not ops.fast_bf16_linear_available():
+        pytest.skip("the bf16 panel kernel needs the built extension on an AVX512_BF16 CPU")
+    layer, x, expected = _layer_and_expected(torch.bfloat16, bias, rows)
+    assert layer.pack() and layer.packed_weight.layout == "panels"
+    with torch.inference_mode():
+        out = layer(x.view(rows, 1, 96)).view(rows, 80)  # leading dims are flattened and restored
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_dtypes_no_kernel_packs_stay_plain():
     layer = Linear(8, 8).to(torch.float64)
     assert not layer.pack() and layer.packed_weight is None
     x = torch.randn(2, 8, dtype=torch.float64)

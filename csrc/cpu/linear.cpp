@@ -1,0 +1,83 @@
+// CPU driver of the bf16 linear op over panel-packed weights (layout: linear_kernel_api.h):
+// argument checks, ISA choice, threads over (panel, block of rows) tasks.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+
+#include "../op_checks.h"
+#include "../ops.h"
+#include "cpu_features.h"
+#include "linear_kernel_api.h"
+
+namespace contbatch {
+namespace {
+
+const cpu::LinearKernels& linear_kernels() {
+  static const cpu::LinearKernels generic = cpu::generic_linear_kernels();
+  const cpu::LinearKernels* avx512 = cpu::avx512_linear_kernels();
+  return cpu::use_avx512_kernels(avx512 != nullptr) ? *avx512 : generic;
+}
+
+// Rows per task. A panel's weights (64 columns x in_features) stay in L2 while a thread
+// runs its row blocks, and blocks of 48 rows split a few wide panels evenly over threads.
+constexpr int64_t kRowsPerTask = 48;
+
+void check_bf16_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "bf16_linear: ", name, " must be torch.bfloat16, got ",
+                   dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "bf16_linear: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, "bf16_linear: ", name,
+                    " must be 2-D [rows, features] with contiguous rows, got shape ", t.sizes(), " strides ",
+                    t.strides());
+}
+
+}  // namespace
+
+std::string cpu_kernel_isa() {
+  return cpu::use_avx512_kernels(cpu::avx512_linear_kernels() != nullptr) ? "avx512_bf16" : "generic";
+}
+
+void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
+                     const std::optional<at::Tensor>& bias) {
+  check_bf16_matrix(input, "input");
+  check_bf16_matrix(out, "out");
+  const int64_t rows = input.size(0), in_features = input.size(1), out_features = out.size(1);
+  TORCH_CHECK_VALUE(out.size(0) == rows, "bf16_linear: out has ", out.size(0), " rows, input ", rows);
+  const int64_t panels = (out_features + cpu::kPanelColumns - 1) / cpu::kPanelColumns;
+  const int64_t pairs = (in_features + 1) / 2;
+  TORCH_CHECK_VALUE(packed_weight.scalar_type() == at::kBFloat16 && packed_weight.is_contiguous() &&
+                        packed_weight.sizes() == at::IntArrayRef({panels, pairs, cpu::kPanelColumns, 2}),
+                    "bf16_linear: packed_weight must be contiguous bfloat16 [", panels, ", ", pairs, ", ",
+                    cpu::kPanelColumns, ", 2] for ", out_features, " outputs of ", in_features,
+                    " inputs, got shape ", packed_weight.sizes());
+  const uint16_t* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->is_contiguous() &&
+                          bias->size(0) == out_features,
+                      "bf16_linear: bias must be contiguous bfloat16 [", out_features, "], got shape ", bias->sizes());
+    bias_data = static_cast<const uint16_t*>(bias->data_ptr());
+  }
+  if (rows == 0 || out_features == 0) return;
+  const cpu::LinearKernels& kernels = linear_kernels();
+  const auto* x = static_cast<const uint16_t*>(input.data_ptr());
+  const auto* weight = static_cast<const uint16_t*>(packed_weight.data_ptr());
+  auto* o = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
+  // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
+      const int64_t column0 = panel * cpu::kPanelColumns;
+      kernels.bf16_panel(x + row0 * input.stride(0), input.stride(0), std::min(kRowsPerTask, rows - row0),
+                         in_features, weight + panel * panel_elements,
+                         bias_data == nullptr ? nullptr : bias_data + column0, o + row0 * out.stride(0) + column0,
+                         out.stride(0), std::min(cpu::kPanelColumns, out_features - column0));
+    }
+  });
+}
+
+}  // namespace contbatch

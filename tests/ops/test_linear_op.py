@@ -1,0 +1,98 @@
+"""The bf16 linear op (csrc/cpu/linear*.{cpp,h}) against its PyTorch reference on random
+shapes: row counts around the 6-row register tile and the 48-row task, output counts
+around the 64-column panel, odd and even input counts, with and without bias, both ISA
+builds. The two sum in a different order, so they agree to one bf16 rounding step."""
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from contbatch.ops import reference
+from contbatch.ops.panel_layout import PANEL_COLUMNS, pack_panels, unpack_panels
+from tests.ops.paged_batch import cpu_isa, require_native
+
+require_native()
+
+native = torch.ops.contbatch
+
+
+def _random(shape, generator, scale=1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=generator) * scale).to(torch.bfloat16)
+
+
+def _run_both(x, weight, bias, isa):
+    packed = pack_panels(weight)
+    rows, out_features = x.shape[0], weight.shape[0]
+    ours = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+    expected = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    reference.bf16_linear(expected, x, packed, bias)
+    with cpu_isa(isa):
+        native.bf16_linear(ours, x, packed, bias)
+    return ours, expected
+
+
+def assert_within_one_rounding(ours: torch.Tensor, expected: torch.Tensor, in_features: int) -> None:
+    assert not ours.isnan().any(), "an output element was never written"
+    # fp32 sums in another order differ by ~in_features ulps of fp32; rounding to bf16
+    # then moves a result by at most one bf16 step (2^-8 relative).
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=2**-7, atol=1e-5 * in_features)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    isa=st.sampled_from(["auto", "generic"]),
+    rows=st.integers(1, 60),
+    out_features=st.integers(1, 200),
+    in_features=st.integers(1, 100),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_bf16_linear_matches_reference(isa, rows, out_features, in_features, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, weight = _random((rows, in_features), g), _random((out_features, in_features), g, 0.2)
+    bias = _random((out_features,), g) if with_bias else None
+    ours, expected = _run_both(x, weight, bias, isa)
+    assert_within_one_rounding(ours, expected, in_features)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 11, 49, 101])
+def test_bf16_linear_on_model_shapes(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, weight = _random((rows, 576), g), _random((960, 576), g, 0.05)
+    ours, expected = _run_both(x, weight, None, "auto")
+    assert_within_one_rounding(ours, expected, 576)
+
+
+def test_bf16_linear_reads_strided_rows():
+    g = torch.Generator().manual_seed(0)
+    wide, weight = _random((9, 100), g), _random((70, 64), g)
+    x = wide[:, 10:74]  # rows 100 elements apart
+    ours, expected = _run_both(x, weight, None, "auto")
+    assert_within_one_rounding(ours, expected, 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(out_features=st.integers(1, 150), in_features=st.integers(1, 40))
+def test_panel_layout_round_trips(out_features, in_features):
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    packed = pack_panels(weight)
+    panels = -(-out_features // PANEL_COLUMNS)
+    assert packed.shape == (panels, -(-in_features // 2), PANEL_COLUMNS, 2)
+    assert torch.equal(unpack_panels(packed, out_features, in_features), weight)
+    padding = packed.sum() - weight.sum()
+    assert torch.allclose(padding.float(), torch.zeros(()), atol=1e-2 * out_features), "padding must be zero"
+
+
+def test_bf16_linear_rejects_bad_arguments_by_name():
+    x, out = torch.empty(3, 10, dtype=torch.bfloat16), torch.empty(3, 70, dtype=torch.bfloat16)
+    packed = pack_panels(torch.empty(70, 10, dtype=torch.bfloat16))
+    cases = [
+        (lambda: native.bf16_linear(out, x.float(), packed, None), "input must be torch.bfloat16"),
+        (lambda: native.bf16_linear(out, x, packed[:1].contiguous(), None), "packed_weight must be"),
+        (lambda: native.bf16_linear(out, x, packed, torch.empty(69, dtype=torch.bfloat16)), "bias must be"),
+        (lambda: native.bf16_linear(torch.empty(2, 70, dtype=torch.bfloat16), x, packed, None), "out has 2 rows"),
+    ]
+    for call, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
