@@ -85,10 +85,10 @@ def copy_bandwidth(reps: int = 5) -> float:
     """GB/s of the fastest of ``reps`` 512 MiB tensor copies, counting bytes read plus bytes written."""
     src = torch.ones(2**29, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _fastest(lambda: dst.copy_(src), reps) / 1e9
+    return 2 * src.numel() / fastest(lambda: dst.copy_(src), reps) / 1e9
 
 
-def _fastest(fn, reps: int, inner: int = 1) -> float:
+def fastest(fn, reps: int, inner: int = 1) -> float:
     """Seconds per call of ``fn``: the best of ``reps`` timings of ``inner`` calls, after one warm-up call."""
     fn()
     best = float("inf")
@@ -103,7 +103,7 @@ def _fastest(fn, reps: int, inner: int = 1) -> float:
 def _gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int, inner: int = 1) -> float:
     a = torch.randn(m, k, dtype=dtype)
     b = torch.randn(k, n, dtype=dtype)
-    return 2 * m * k * n / _fastest(lambda: torch.mm(a, b), reps, inner) / 1e9
+    return 2 * m * k * n / fastest(lambda: torch.mm(a, b), reps, inner) / 1e9
 
 
 def ceiling(flops: ModelFlops, requests: list, peak_gflops: float, copy_gbs: float, element_size: int) -> dict:
