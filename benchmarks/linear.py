@@ -11,12 +11,13 @@ per second and the matmul rate; the panel kernel runs only on CPUs with AVX512_B
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from contbatch import ops
-from contbatch.ops.panel_layout import pack_panels
+from contbatch.layers.linear import PackedWeight, onednn_packed, packed_linear, panel_packed
 
 from _report import replace_marked
 from _roofline import copy_bandwidth, fastest
@@ -31,23 +32,13 @@ def step_shapes() -> list[tuple[int, int]]:
     return layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
-def panel_step(weights: list[torch.Tensor]):
-    packed = [pack_panels(w) for w in weights]
+def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], PackedWeight]):
+    """The engine's call (``packed_linear``) on the weights packed by ``pack``."""
+    packed = [(w.shape[1], pack(w)) for w in weights]
 
     def run(inputs: dict[int, torch.Tensor]) -> None:
-        for w, p in zip(weights, packed):
-            x = inputs[w.shape[1]]
-            ops.bf16_linear(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype), x, p, None)
-
-    return run
-
-
-def onednn_step(weights: list[torch.Tensor]):
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-
-    def run(inputs: dict[int, torch.Tensor]) -> None:
-        for w, p in zip(weights, packed):
-            torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+        for in_features, p in packed:
+            packed_linear(inputs[in_features], p, None)
 
     return run
 
@@ -90,9 +81,9 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in step_shapes()]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    steps = {"onednn": onednn_step(weights), "F.linear": plain_step(weights)}
+    steps = {"onednn": packed_step(weights, onednn_packed), "F.linear": plain_step(weights)}
     if ops.fast_bf16_linear_available():
-        steps = {"panels": panel_step(weights), **steps}
+        steps = {"panels": packed_step(weights, panel_packed), **steps}
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}
     for rows in (int(r) for r in args.rows.split(",")):

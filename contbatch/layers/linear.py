@@ -7,7 +7,7 @@ every call. Two layouts replace it:
   (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``). Over SmolLM2's
   121 projections it streamed the weights at 31 GB/s for one to four rows where oneDNN
   read 20-22 GB/s (8.6 against 13.3 ms a step at one row), stayed ahead up to 256 rows and
-  was level at 720 (benchmarks/kernels.py measures it). Sums are fp32 in a different
+  was level at 720 (benchmarks/linear.py measures it). Sums are fp32 in a different
   order from oneDNN's, so a result can differ from ``F.linear`` by one bf16 rounding step.
 - ``onednn`` (fp32, and bf16 where the kernel above does not run): oneDNN's blocked
   format, called directly; 1.3-2.4x faster than ``F.linear`` for the few-token matmuls of
@@ -43,15 +43,25 @@ def _onednn_can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+def panel_packed(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` (bf16, CPU) in the panel layout of contbatch's ``bf16_linear``."""
+    return PackedWeight(pack_panels(weight), "panels", weight.shape[0])
+
+
+def onednn_packed(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` (CPU) in oneDNN's blocked layout."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    return PackedWeight(packed, "onednn", weight.shape[0])
+
+
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The fastest layout this CPU and build have for ``weight``; None: keep it plain."""
     if weight.device.type != "cpu":
         return None
-    weight = weight.detach()
     if weight.dtype == torch.bfloat16 and ops.fast_bf16_linear_available():
-        return PackedWeight(pack_panels(weight), "panels", weight.shape[0])
+        return panel_packed(weight)
     if _onednn_can_pack(weight):
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), "onednn", weight.shape[0])
+        return onednn_packed(weight)
     return None
 
 

@@ -66,7 +66,6 @@ else:
     rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = (getattr(reference, n) for n in LAYER_OPS)
 
 
-
 def fast_bf16_linear_available() -> bool:
     """Whether ``bf16_linear`` runs the AVX512_BF16 kernel now: only then do bf16 weights
     take its panel layout (elsewhere oneDNN's own layout is faster)."""

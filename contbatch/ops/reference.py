@@ -154,4 +154,3 @@ def bf16_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
     if bias is not None:
         result += bias.float()
     out.copy_(result)
-

@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-
 #include "../op_checks.h"
 #include "../ops.h"
 #include "cpu_features.h"

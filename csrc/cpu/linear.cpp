@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
