@@ -98,7 +98,7 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         seq_lens, query_lens, sample_rows, sampling_requests = [], [], [], []
         prompt_rows, prompt_targets = [], []
-        max_blocks = 0
+        tables: list[list[int]] = []
         for item in step.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
@@ -106,11 +106,11 @@ class ModelRunner:
             input_ids.extend(request.token_ids[start:end])
             token_positions = np.arange(start, end)
             positions.append(token_positions)
-            blocks = np.asarray(request.block_ids, dtype=np.int64)
+            tables.append(request.block_ids[: -(-end // self.block_size)])  # not the blocks taken ahead
+            blocks = np.asarray(tables[-1], dtype=np.int64)
             slots.append(blocks[token_positions // self.block_size] * self.block_size + token_positions % self.block_size)
             seq_lens.append(end)
             query_lens.append(item.num_new_tokens)
-            max_blocks = max(max_blocks, len(request.block_ids))
             if request.prompt_logprobs is not None:
                 # Row of position p scores the prompt token at p + 1.
                 for position in range(start, min(end, request.num_prompt_tokens - 1)):
@@ -119,9 +119,9 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_requests.append(request)
-        block_tables = np.zeros((len(step.scheduled), max_blocks), dtype=np.int32)
-        for row, item in enumerate(step.scheduled):
-            block_tables[row, : len(item.request.block_ids)] = item.request.block_ids
+        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
         query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         metadata = AttentionMetadata(

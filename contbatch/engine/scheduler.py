@@ -4,8 +4,9 @@ There is no prefill phase or decode phase. Every request owns ``num_computed_tok
 and each step gives it up to ``num_tokens - num_computed_tokens`` more from the
 step's budget: running requests first (usually one decode token each, or the next
 chunk of a long prompt), then waiting requests in arrival order (FCFS). When the
-block manager cannot give a running request its blocks, the newest running
-request is preempted: its blocks are freed and it is recomputed later.
+block manager cannot give a running request its blocks, the blocks running
+requests took ahead of their tokens are released first; if that is not enough, the
+newest running request is preempted: its blocks are freed and it is recomputed later.
 """
 
 import time
@@ -130,6 +131,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
+            if self.block_manager.release_lookahead(self.running):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             output.num_preempted += 1
@@ -155,7 +158,7 @@ class Scheduler:
             cached = self.block_manager.find_cached_prefix(request)
             request.num_computed_tokens = len(cached) * self.block_manager.block_size
             num_new = min(self._tokens_to_compute(request), budget)
-            if not self.block_manager.allocate_slots(request, num_new, cached):
+            if not self._allocate_for_waiting(request, num_new, cached):
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -170,6 +173,14 @@ class Scheduler:
                 self._fork_samples(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _allocate_for_waiting(self, request: Request, num_new: int, cached: list[int]) -> bool:
+        """A waiting request is worth more than blocks others took ahead: release them if needed."""
+        if self.block_manager.allocate_slots(request, num_new, cached):
+            return True
+        return bool(self.block_manager.release_lookahead(self.running)) and self.block_manager.allocate_slots(
+            request, num_new, cached
+        )
 
     @staticmethod
     def _tokens_to_compute(request: Request) -> int:

@@ -1,4 +1,5 @@
-"""Block manager: prefix-cache eviction order, copy-on-write on forked requests, and refusal without side effects."""
+"""Block manager: prefix-cache eviction order, copy-on-write on forked requests, refusal without
+side effects, and blocks taken ahead (contiguous, capped, above the floor, released on demand)."""
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
@@ -8,8 +9,8 @@ from contbatch.engine.request import Request
 from contbatch.sampling_params import SamplingParams
 
 
-def _request(request_id: int, tokens: list[int]) -> Request:
-    return Request(request_id, None, tokens, SamplingParams(temperature=0), frozenset())
+def _request(request_id: int, tokens: list[int], max_tokens: int = 16) -> Request:
+    return Request(request_id, None, tokens, SamplingParams(temperature=0, max_tokens=max_tokens), frozenset())
 
 
 def _compute(manager: BlockManager, request: Request, num_tokens: int) -> None:
@@ -35,7 +36,7 @@ def test_freed_prefix_blocks_are_reused_until_evicted_lru():
 
 
 def test_fork_then_write_copies_the_shared_partial_block():
-    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, lookahead_tokens=0)
     parent = _request(0, [5, 6, 7, 8, 9, 10])  # one full block and a partial one
     _compute(manager, parent, 6)
     child = _request(1, list(parent.token_ids))
@@ -58,7 +59,7 @@ def test_fork_then_write_copies_the_shared_partial_block():
     asked=st.integers(1, 200),
 )
 def test_failed_allocation_changes_nothing(num_blocks, block_size, held, asked):
-    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True, lookahead_tokens=0)
     holder = _request(0, list(range(3, 3 + max(held, 1))))
     manager.allocate_slots(holder, min(held, num_blocks * block_size))
     before = (list(manager.ref_counts), list(manager.free_blocks))
@@ -69,3 +70,85 @@ def test_failed_allocation_changes_nothing(num_blocks, block_size, held, asked):
     else:
         assert (list(manager.ref_counts), list(manager.free_blocks)) == before and request.block_ids == []
         assert manager.blocks_needed(asked) > manager.num_free_blocks
+
+
+def _decode_in_turns(manager: BlockManager, requests: list[Request], steps: int) -> None:
+    """Prefill every request, then grow them one token each per step, as a running batch does."""
+    for request in requests:
+        _compute(manager, request, request.num_tokens)
+    for _ in range(steps):
+        for request in requests:
+            request.token_ids.append(7)
+            _compute(manager, request, 1)
+
+
+def test_blocks_taken_ahead_keep_each_sequence_contiguous():
+    def block_gaps(lookahead_tokens: int) -> int:
+        manager = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False, lookahead_tokens=lookahead_tokens)
+        requests = [_request(i, [3 + i] * 5, max_tokens=30) for i in range(4)]
+        _decode_in_turns(manager, requests, steps=30)
+        for request in requests:
+            assert len(request.block_ids) == manager.blocks_needed(request.num_tokens)
+        return sum(b - a != 1 for r in requests for a, b in zip(r.block_ids, r.block_ids[1:]))
+
+    assert block_gaps(lookahead_tokens=0) > 0, "interleaved growth scatters blocks without lookahead"
+    assert block_gaps(lookahead_tokens=64) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_blocks=st.integers(1, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    lookahead_tokens=st.integers(0, 40),
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+    max_tokens=st.integers(1, 40),
+    steps=st.integers(0, 30),
+)
+def test_lookahead_is_capped_and_leaves_the_floor_free(num_blocks, block_size, lookahead_tokens, prompts, max_tokens, steps):
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False, lookahead_tokens=lookahead_tokens)
+    requests = [_request(i, [3] * length, max_tokens) for i, length in enumerate(prompts)]
+    for _ in range(steps + 1):
+        for request in requests:
+            if request.num_computed_tokens == request.num_tokens:
+                if request.num_output_tokens >= max_tokens:
+                    continue
+                request.token_ids.append(7)
+            free_before = manager.num_free_blocks
+            blocks_before = len(request.block_ids)
+            new_tokens = request.num_tokens - request.num_computed_tokens
+            if not manager.allocate_slots(request, new_tokens):
+                continue
+            request.num_computed_tokens = request.num_tokens
+            needed = manager.blocks_needed(request.num_tokens)
+            final = request.num_prompt_tokens + max_tokens
+            assert needed <= len(request.block_ids) <= max(
+                needed, manager.blocks_needed(min(final, request.num_tokens + lookahead_tokens))
+            ), "more blocks than the request's final length or the lookahead"
+            taken_ahead = len(request.block_ids) - max(needed, blocks_before)
+            if taken_ahead > 0:
+                assert manager.num_free_blocks >= manager.lookahead_floor
+            assert free_before - manager.num_free_blocks == len(request.block_ids) - blocks_before
+
+    released = manager.release_lookahead(requests)
+    for request in requests:  # a request whose last allocation failed has fewer blocks than tokens
+        needed_now = manager.blocks_needed(request.num_computed_tokens)
+        assert needed_now <= len(request.block_ids) <= manager.blocks_needed(request.num_tokens)
+    in_use = sum(len(r.block_ids) for r in requests)
+    assert manager.num_free_blocks == num_blocks - in_use
+    assert released >= 0 and sorted(manager.free_blocks) == sorted(
+        set(range(num_blocks)) - {b for r in requests for b in r.block_ids}
+    )
+
+
+def test_released_blocks_are_reused_before_cached_prefixes():
+    manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True, lookahead_tokens=8)
+    cached = _request(0, [10, 11, 12, 13, 14], max_tokens=1)
+    _compute(manager, cached, 5)
+    manager.free(cached)  # its two full blocks stay in the prefix cache
+    grower = _request(1, [20, 21, 22], max_tokens=20)
+    _compute(manager, grower, 3)
+    assert len(grower.block_ids) > manager.blocks_needed(3), "took blocks ahead"
+    assert manager.release_lookahead([grower]) > 0
+    other = _request(2, [30, 31, 32, 33, 34, 35], max_tokens=1)
+    _compute(manager, other, 6)
+    assert len(manager.find_cached_prefix(_request(3, [10, 11, 12, 13, 99]))) == 2

@@ -78,6 +78,7 @@ def workloads(draw):
         max_num_seqs=draw(st.integers(3, 8)),
         budget=draw(st.integers(1, 64)),
         prefix_caching=draw(st.booleans()),
+        lookahead_tokens=draw(st.sampled_from([0, 1, 8, 512])),
         prompts=_prompts(draw, count),
         max_tokens=[draw(st.integers(1, 40)) for _ in range(count)],
         n=[draw(st.integers(1, 3)) for _ in range(count)],
@@ -88,7 +89,7 @@ def workloads(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
-    manager = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"])
+    manager = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"], w["lookahead_tokens"])
     scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
     runner = FakeRunner(w["block_size"])
     requests = []
@@ -178,3 +179,56 @@ def test_preemption_frees_newest_and_recomputes():
     assert scheduler.num_preemptions > 0
     assert sorted(r.request_id for r in finished) == [0, 1, 2]
     assert all(len(r.output_token_ids) == 12 for r in requests)
+
+
+def _run_to_completion(pool_blocks: int, lookahead_tokens: int, count: int = 6) -> tuple[int, int]:
+    """(preemptions, requests admitted by the first step) for count requests of 5 + 20 tokens."""
+    manager = BlockManager(pool_blocks, 4, enable_prefix_caching=False, lookahead_tokens=lookahead_tokens)
+    scheduler = Scheduler(manager, max_num_seqs=count, max_num_batched_tokens=64, max_model_len=64)
+    runner = FakeRunner(4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for index in range(count):
+        scheduler.add_request(Request(index, None, [3 + index] * 5, params, frozenset()))
+    admitted = None
+    while scheduler.has_unfinished():
+        step = scheduler.schedule()
+        admitted = len(step.scheduled) if admitted is None else admitted
+        scheduler.update(step, runner.execute(step))
+        scheduler.free_finished()
+        _check_block_invariants(manager, scheduler.running)
+    return scheduler.num_preemptions, admitted
+
+
+def test_blocks_taken_ahead_never_cost_a_seat_or_a_preemption():
+    blocks_each = 7  # 25 tokens in 4-token blocks
+    # A pool that holds every request at its final length never preempts.
+    assert _run_to_completion(blocks_each * 6, lookahead_tokens=64) == (0, 6)
+    # A tight pool: blocks taken ahead are released to admit every prompt at once, and
+    # to grow running requests, before anyone is preempted.
+    without = _run_to_completion(16, lookahead_tokens=0)
+    assert without[1] == 6
+    assert _run_to_completion(16, lookahead_tokens=64) == without
+
+
+def test_a_running_request_grows_into_blocks_another_took_ahead():
+    """A takes blocks ahead for its 32 tokens; B, admitted later, needs three of the pool's ten.
+    Without lookahead both fit as they grow; with it, B's growth must release A's blocks, not preempt."""
+    manager = BlockManager(10, 4, enable_prefix_caching=False, lookahead_tokens=64)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    runner = FakeRunner(4)
+    first = Request(0, None, [3] * 4, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True), frozenset())
+    second = Request(1, None, [4] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), frozenset())
+    scheduler.add_request(first)
+    for step_index in range(100):
+        if not scheduler.has_unfinished():
+            break
+        if step_index == 1:
+            assert len(first.block_ids) == 8, "the first request took blocks ahead"
+            scheduler.add_request(second)
+        step = scheduler.schedule()
+        scheduler.update(step, runner.execute(step))
+        scheduler.free_finished()
+        _check_block_invariants(manager, scheduler.running)
+    assert not scheduler.has_unfinished()
+    assert scheduler.num_preemptions == 0
+    assert len(first.output_token_ids) == 28 and len(second.output_token_ids) == 8
