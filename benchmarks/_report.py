@@ -181,6 +181,12 @@ def _notes(systems: dict) -> list[str]:
         "For HF static batching it is when the request's batch produced its first token (a streamer on "
         "generate() records it), so later batches include the wait for earlier ones.",
     ]
+    if "contbatch" in systems:
+        notes.append(
+            "- contbatch's KV blocks used include blocks taken ahead for tokens not generated yet: while more "
+            "than an eighth of the pool is free, a request takes blocks up to its final length (at most 512 "
+            "tokens ahead) so that its blocks stay contiguous."
+        )
     if "hf_serial" in systems:
         notes.append(
             "- HF one-at-a-time TTFT is each request's own (from its generate() call), over the measured requests "

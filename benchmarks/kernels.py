@@ -2,7 +2,9 @@
 
 Decode paged_attention at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_size 64,
 block_size 16, physical blocks shuffled over the whole cache), for batch 1, 32 and 256 and
-contexts 128 to 4096, in bf16 and fp32, and at batch 256, context 1024 with larger blocks.
+contexts 128 to 4096, in bf16 and fp32; at context 512 with each sequence's blocks in order
+(as the block manager allocates them while the pool has room); and at batch 256, context
+1024 with larger blocks.
 Achieved bandwidth counts the K/V bytes read, set against a large tensor copy measured in
 the same run (read + write bytes). Small batches rotate over copies on disjoint blocks, at
 least 256 MiB in all, so that K/V come from DRAM as in a real model with many layers, not
@@ -57,10 +59,13 @@ class Cache:
         self.key = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
         self.value = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
 
-    def batches(self, seq_lens: list[int], query_lens: list[int], copies: int) -> list[tuple]:
-        """paged_attention's arguments after `out` for `copies` batches on disjoint shuffled blocks."""
+    def batches(self, seq_lens: list[int], query_lens: list[int], copies: int, in_order: bool = False) -> list[tuple]:
+        """paged_attention's arguments after `out` for `copies` batches on disjoint blocks: shuffled,
+        or with in_order each sequence's blocks consecutive, as the block manager hands them out
+        while the pool has room (contbatch/engine/block_manager.py)."""
         blocks = [-(-n // self.block_size) for n in seq_lens]
-        physical = torch.randperm(self.num_blocks)[: copies * sum(blocks)].int()
+        order = torch.arange(self.num_blocks) if in_order else torch.randperm(self.num_blocks)
+        physical = order[: copies * sum(blocks)].int()
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.key.dtype).uniform_(-1, 1)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
@@ -74,11 +79,13 @@ class Cache:
         return result
 
 
-def attention_row(cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float) -> dict:
+def attention_row(
+    cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float, in_order: bool = False
+) -> dict:
     kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache.key.element_size()
     blocks = sum(-(-n // cache.block_size) for n in seq_lens)
     copies = min(-(-ROTATION_BYTES // kv_bytes), cache.num_blocks // blocks)
-    batches = cache.batches(seq_lens, query_lens, copies)
+    batches = cache.batches(seq_lens, query_lens, copies, in_order)
     out = torch.empty_like(batches[0][0])
     calls = iter(range(10**9))
 
@@ -150,6 +157,10 @@ def main() -> None:
                 name = f"decode batch {batch} ctx {context}"
                 rows.append(attention_row(cache, name, [context] * batch, [1] * batch, copy_gbs))
                 print(rows[-1], flush=True)
+        for batch in BATCHES:
+            name = f"decode batch {batch} ctx 512, blocks in order"
+            rows.append(attention_row(cache, name, [512] * batch, [1] * batch, copy_gbs, in_order=True))
+            print(rows[-1], flush=True)
         rows.append(attention_row(cache, "prefill 8 x 200 tokens", [200] * 8, [200] * 8, copy_gbs))
         for num_tokens in (32, 256, 4096):
             rows.append(reshape_and_cache_row(cache, num_tokens))
