@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from contbatch.engine.block_manager import DEFAULT_LOOKAHEAD_TOKENS
+
 from _workloads import REPO_ROOT
 
 DOCS_PATH = REPO_ROOT / "docs" / "performance.md"
@@ -184,8 +186,8 @@ def _notes(systems: dict) -> list[str]:
     if "contbatch" in systems:
         notes.append(
             "- contbatch's KV blocks used include blocks taken ahead for tokens not generated yet: while more "
-            "than an eighth of the pool is free, a request takes blocks up to its final length (at most 512 "
-            "tokens ahead) so that its blocks stay contiguous."
+            "than an eighth of the pool is free, a request takes blocks up to its final length (at most "
+            f"{DEFAULT_LOOKAHEAD_TOKENS} tokens ahead) so that its blocks stay contiguous."
         )
     if "hf_serial" in systems:
         notes.append(

@@ -5,9 +5,9 @@ every call. Two layouts replace it:
 
 - ``panels`` (bf16 on CPUs with AVX512_BF16): contbatch's own ``bf16_linear`` kernel
   (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``). Over SmolLM2's
-  121 projections it streamed the weights at 31 GB/s for one to four rows where oneDNN
-  read 20-22 GB/s (8.6 against 13.3 ms a step at one row), stayed ahead up to 256 rows and
-  was level at 720 (benchmarks/linear.py measures it). Sums are fp32 in a different
+  121 projections it ran 1.8x faster than oneDNN at one and two rows (9.3 against 16.3 ms
+  a step at one row, 29 GB/s of weights), 1.1-1.4x from 4 to 64 rows, level at 256 and 2%
+  slower at 720 (benchmarks/linear.py; table in docs/performance.md). Sums are fp32 in a different
   order from oneDNN's, so a result can differ from ``F.linear`` by one bf16 rounding step.
 - ``onednn`` (fp32, and bf16 where the kernel above does not run): oneDNN's blocked
   format, called directly; 1.3-2.4x faster than ``F.linear`` for the few-token matmuls of
