@@ -25,6 +25,8 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
 void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input);
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
                           const at::Tensor& sin);
+// out[r] = index of the first maximum of logits[r] (NaN largest), as torch.max(dim=-1); CPU only.
+void argmax_rows_cpu(at::Tensor& out, const at::Tensor& logits);
 
 // bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only; and which
 // kernel build the CPU ops run now ("avx512_bf16" or "generic").

@@ -18,6 +18,7 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
   m.def("cpu_kernel_isa() -> str", &contbatch::cpu_kernel_isa);
 }
@@ -30,6 +31,7 @@ TORCH_LIBRARY_IMPL(contbatch, CPU, m) {
   m.impl("fused_add_rms_norm", &contbatch::fused_add_rms_norm_cpu);
   m.impl("silu_and_mul", &contbatch::silu_and_mul_cpu);
   m.impl("rotary_embedding", &contbatch::rotary_embedding_cpu);
+  m.impl("argmax_rows", &contbatch::argmax_rows_cpu);
   m.impl("bf16_linear", &contbatch::bf16_linear_cpu);
 }
 

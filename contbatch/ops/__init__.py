@@ -1,8 +1,8 @@
 """Cache and attention ops: the compiled ``contbatch._C`` kernels when built, else the reference.
 
-The compiled extension registers ``torch.ops.contbatch.{reshape_and_cache,
-paged_attention, copy_blocks}`` with the same signatures and semantics as
-:mod:`contbatch.ops.reference`.
+The compiled extension registers ``torch.ops.contbatch.*`` (cache and attention ops, the
+fused layer ops, the sampler's argmax_rows, bf16_linear) with the same signatures and
+semantics as :mod:`contbatch.ops.reference`.
 """
 
 import importlib
@@ -49,7 +49,7 @@ else:
 
 
 def _native_on_cpu(name: str):
-    """The fused layer ops have CPU kernels only: tensors elsewhere take the reference."""
+    """The fused layer ops and argmax_rows have CPU kernels only: tensors elsewhere take the reference."""
     native, fallback = getattr(_native, name), getattr(reference, name)
 
     def op(*args):
@@ -59,11 +59,11 @@ def _native_on_cpu(name: str):
     return op
 
 
-LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+ROW_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "argmax_rows")
 if _native is not None:
-    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = map(_native_on_cpu, LAYER_OPS)
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows = map(_native_on_cpu, ROW_OPS)
 else:
-    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding = (getattr(reference, n) for n in LAYER_OPS)
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows = (getattr(reference, n) for n in ROW_OPS)
 
 
 def fast_bf16_linear_available() -> bool:
@@ -79,7 +79,7 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "copy_blocks",
-    *LAYER_OPS,
+    *ROW_OPS,
     "bf16_linear",
     "fast_bf16_linear_available",
     "reference",

@@ -1,4 +1,5 @@
-// CPU drivers of the fused layer ops: argument checks, ISA choice, threads over rows.
+// CPU drivers of the fused layer ops and the greedy sampler's argmax: argument checks, ISA
+// choice, threads over rows.
 // The ops fuse what PyTorch runs as 4-10 separate passes over memory (and as many
 // dispatcher calls per layer); semantics are contbatch/ops/reference.py's.
 #include <ATen/Parallel.h>
@@ -144,6 +145,25 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
         for (int64_t h = 0; h < q_heads; ++h) kernels->rotary(q + t * query.stride(0) + h * query.stride(1), ct, st, half);
         for (int64_t h = 0; h < k_heads; ++h) kernels->rotary(k + t * key.stride(0) + h * key.stride(1), ct, st, half);
       }
+    });
+  });
+}
+
+void argmax_rows_cpu(at::Tensor& out, const at::Tensor& logits) {
+  constexpr const char* op = "argmax_rows";
+  check_rows(op, logits, "logits", logits);
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK_VALUE(n > 0, op, ": logits must have at least one column, got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(out.dim() == 1 && out.size(0) == rows && out.is_contiguous() && out.scalar_type() == at::kLong &&
+                        out.device().is_cpu(),
+                    op, ": out must be a contiguous int64 CPU tensor of shape [", rows, "], got ", out.sizes(), " ",
+                    dtype_name(out.scalar_type()));
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_dtype(op, logits, [&](auto* kernels, auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = static_cast<const T*>(logits.data_ptr());
+    at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = kernels->argmax(x + r * logits.stride(0), n);
     });
   });
 }

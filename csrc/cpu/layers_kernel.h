@@ -1,5 +1,5 @@
 // Row kernels of the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
-// rotary embedding), written once against the Vec16 API and included by
+// rotary embedding) and of the greedy sampler's argmax, written once against the Vec16 API and included by
 // layers_avx512.cpp and layers_generic.cpp inside an anonymous namespace, after their
 // simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
 //
@@ -81,12 +81,8 @@ inline void silu_and_mul_row(T* out, const T* gate_up, int64_t d) {
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
     const Vec16 g = vload(gate_up + i);
-    const Vec16 denominator = vadd(one, vexp2(vmul(g, minus_log2e)));
-    float quotient[kLanes], gv[kLanes], dv[kLanes];
-    vstore(gv, g);
-    vstore(dv, denominator);
-    for (int l = 0; l < kLanes; ++l) quotient[l] = gv[l] / dv[l];  // exact division, as PyTorch
-    vstore(out + i, vmul(round_as<T>(vload(quotient)), vload(up + i)));
+    const Vec16 silu = vdiv(g, vadd(one, vexp2(vmul(g, minus_log2e))));  // exact division, as PyTorch
+    vstore(out + i, vmul(round_as<T>(silu), vload(up + i)));
   }
   for (; i < d; ++i) {
     const float g = load1(gate_up[i]);
@@ -114,9 +110,47 @@ inline void rotary_head(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
+// Index of the first element of x[0, n) equal to `target`, or of the first NaN if target is NaN.
+template <class T>
+inline int64_t first_index_of(const T* x, int64_t n, float target) {
+  const bool nan = std::isnan(target);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = vload(x + i);
+    const Mask16 hit = nan ? visnan(v) : vequal(v, target);
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < n; ++i) {
+    const float f = load1(x[i]);
+    if (nan ? std::isnan(f) : f == target) return i;
+  }
+  return 0;  // unreachable for a target taken from x
+}
+
+// The greedy sampler's argmax of one row of logits: the first maximum, with NaN counting
+// as larger than any number (torch.max's rule), in two passes over a row that stays in L2.
+template <class T>
+inline int64_t argmax_row(const T* x, int64_t n) {
+  Vec16 best = vset1(-INFINITY);
+  Mask16 nan = 0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = vload(x + i);
+    nan |= visnan(v);
+    best = vmax(v, best);  // NaN lanes keep `best`: they are counted in `nan`
+  }
+  float top = vreduce_max(best);
+  for (; i < n; ++i) {
+    const float f = load1(x[i]);
+    if (std::isnan(f)) nan = 1;
+    top = f > top ? f : top;
+  }
+  return first_index_of(x, n, nan ? NAN : top);
+}
+
 template <class T>
 const LayerKernels<T>* layer_kernels_for() {
   static const LayerKernels<T> kernels{&rms_norm_row<T>, &add_rms_norm_row<T>, &silu_and_mul_row<T>,
-                                       &rotary_head<T>};
+                                       &rotary_head<T>, &argmax_row<T>};
   return &kernels;
 }

@@ -1,4 +1,4 @@
-// Function table of the fused layer row kernels (layers_kernel.h), one per ISA build.
+// Function table of the row kernels (layers_kernel.h), one per ISA build.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@ struct LayerKernels {
   void (*add_rms_norm)(T* x, T* residual, const T* weight, int64_t n, float eps);
   void (*silu_and_mul)(T* out, const T* gate_up, int64_t d);
   void (*rotary)(T* x, const T* cos, const T* sin, int64_t half);
+  int64_t (*argmax)(const T* x, int64_t n);
 };
 
 struct LayerKernelSet {

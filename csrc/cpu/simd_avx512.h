@@ -20,6 +20,7 @@ inline void vstore(uint16_t* bf16, Vec16 v) {  // round to nearest even
 inline Vec16 vadd(Vec16 a, Vec16 b) { return _mm512_add_ps(a, b); }
 inline Vec16 vsub(Vec16 a, Vec16 b) { return _mm512_sub_ps(a, b); }
 inline Vec16 vmul(Vec16 a, Vec16 b) { return _mm512_mul_ps(a, b); }
+inline Vec16 vdiv(Vec16 a, Vec16 b) { return _mm512_div_ps(a, b); }  // IEEE-exact, as scalar division
 inline Vec16 vfma(Vec16 a, Vec16 b, Vec16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec16 vmask_fill(Mask16 keep, Vec16 v, float fill) { return _mm512_mask_blend_ps(keep, vset1(fill), v); }
 inline Vec16 vmaskz(Mask16 keep, Vec16 v) { return _mm512_maskz_mov_ps(keep, v); }
@@ -27,6 +28,9 @@ inline float vreduce_max(Vec16 v) { return _mm512_reduce_max_ps(v); }
 inline float vreduce_add(Vec16 v) { return _mm512_reduce_add_ps(v); }
 
 inline Mask16 vgreater(Vec16 a, float b) { return _mm512_cmp_ps_mask(a, vset1(b), _CMP_GT_OQ); }
+inline Mask16 vequal(Vec16 a, float b) { return _mm512_cmp_ps_mask(a, vset1(b), _CMP_EQ_OQ); }
+inline Mask16 visnan(Vec16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline Vec16 vmax(Vec16 a, Vec16 b) { return _mm512_max_ps(a, b); }  // b where either is NaN
 
 // 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, 2^f = e^(f ln2) by its degree-7 Taylor
 // polynomial (truncation error < 1e-8 relative). scalef gives 0 for very negative x.

@@ -52,6 +52,7 @@ inline void vstore(uint16_t* bf16, Vec16 v) {
 CONTBATCH_LANEWISE(vadd, a.v[i] + b.v[i])
 CONTBATCH_LANEWISE(vsub, a.v[i] - b.v[i])
 CONTBATCH_LANEWISE(vmul, a.v[i] * b.v[i])
+CONTBATCH_LANEWISE(vdiv, a.v[i] / b.v[i])
 #undef CONTBATCH_LANEWISE
 
 inline Vec16 vfma(Vec16 a, Vec16 b, Vec16 c) {
@@ -78,6 +79,20 @@ inline Mask16 vgreater(Vec16 a, float b) {
   Mask16 m = 0;
   for (int i = 0; i < 16; ++i) m |= Mask16(a.v[i] > b) << i;
   return m;
+}
+inline Mask16 vequal(Vec16 a, float b) {
+  Mask16 m = 0;
+  for (int i = 0; i < 16; ++i) m |= Mask16(a.v[i] == b) << i;
+  return m;
+}
+inline Mask16 visnan(Vec16 a) {
+  Mask16 m = 0;
+  for (int i = 0; i < 16; ++i) m |= Mask16(std::isnan(a.v[i])) << i;
+  return m;
+}
+inline Vec16 vmax(Vec16 a, Vec16 b) {  // b where either is NaN, as _mm512_max_ps
+  for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+  return a;
 }
 inline Vec16 vexp2(Vec16 x) {
   for (int i = 0; i < 16; ++i) x.v[i] = std::exp2(x.v[i]);

@@ -1,4 +1,4 @@
-"""The fused layer ops (csrc/cpu/layers*.cpp) against their PyTorch references, on random
+"""The fused layer ops and argmax_rows (csrc/cpu/layers*.cpp) against their PyTorch references, on random
 shapes (sizes with and without a 16-lane tail), both dtypes and both ISA builds.
 
 Tolerances: fp32 2e-6 relative (only the order of the sum of squares and exp's last bit
@@ -108,6 +108,34 @@ def test_rotary_embedding_matches_reference(dtype, isa, tokens, heads, kv_heads,
     assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], untouched), "v must not be touched"
 
 
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), rows=st.integers(1, 12),
+       n=st.sampled_from([1, 7, 16, 33, 100, 1536, 49152]), ties=st.integers(0, 3),
+       special=st.sampled_from(["none", "nan", "all_-inf", "+inf"]), seed=st.integers(0, 2**31 - 1))
+def test_argmax_rows_matches_torch_max(dtype, isa, rows, n, ties, special, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = _random((rows, n), dtype, g, 3.0)
+    # Copies of each row's maximum at random columns: the first of them must win.
+    for r in range(rows):
+        top = logits[r].max()
+        logits[r, torch.randint(0, n, (ties,), generator=g)] = top
+    row = int(torch.randint(0, rows, (), generator=g))
+    columns = torch.randint(0, n, (2,), generator=g)
+    if special == "nan":  # torch.max counts NaN as the largest value
+        logits[row, columns] = float("nan")
+    elif special == "all_-inf":  # a row fully masked out (grammar, min_tokens)
+        logits[row] = float("-inf")
+    elif special == "+inf":
+        logits[row, columns] = float("inf")
+    expected = torch.empty(rows, dtype=torch.int64)
+    reference.argmax_rows(expected, logits)
+    assert torch.equal(expected, torch.argmax(logits, dim=-1))  # the semantics the sampler needs
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    with cpu_isa(isa):
+        native.argmax_rows(out, logits)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -115,6 +143,9 @@ def test_rotary_embedding_matches_reference(dtype, isa, tokens, heads, kv_heads,
         (lambda: native.rms_norm(torch.empty(2, 8), torch.empty(2, 8, dtype=torch.float64), torch.empty(8), 1e-5),
          "dtype"),
         (lambda: native.silu_and_mul(torch.empty(2, 3), torch.empty(2, 8)), "input must be"),
+        (lambda: native.argmax_rows(torch.empty(3, dtype=torch.int64), torch.empty(2, 8)), "out must be"),
+        (lambda: native.argmax_rows(torch.empty(2, dtype=torch.int32), torch.empty(2, 8)), "int64"),
+        (lambda: native.argmax_rows(torch.empty(2, dtype=torch.int64), torch.empty(2, 0)), "at least one column"),
         (lambda: native.rotary_embedding(torch.tensor([0, 600]), torch.empty(2, 1, 8), torch.empty(2, 1, 8),
                                          torch.empty(512, 8), torch.empty(512, 8)), "positions\\[1\\] = 600"),
     ],
