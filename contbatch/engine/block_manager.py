@@ -1,10 +1,10 @@
 """BlockManager: the paged KV cache's bookkeeping (no tensors live here).
 
 Blocks hold ``block_size`` tokens. Each has a reference count; a block whose count
-drops to zero goes to the back of the free queue but keeps its prefix hash, so a
-later request with the same prefix can take it back (automatic prefix caching).
-New allocations take from the front of the queue: the least recently freed block
-is evicted first (LRU).
+drops to zero goes to the back of the queue of freed blocks but keeps its prefix hash,
+so a later request with the same prefix can take it back (automatic prefix caching).
+Allocations reuse freed blocks from the front of that queue: the least recently freed
+block is evicted first (LRU).
 
 Blocks of one request are kept contiguous where the pool allows: the blocks an
 allocation takes are sorted, so a run freed together comes back as a run, and while
@@ -13,6 +13,15 @@ tokens it will generate (up to ``lookahead_tokens``). Attention then reads each
 sequence's K/V as long sequential streams, which on a CPU runs about twice as fast as
 scattered blocks (docs/performance.md). Blocks taken ahead are only a preference: the
 scheduler releases them (release_lookahead) before it preempts or turns a request away.
+
+Memory is touched only as far as the work needs. The pool is sized for the worst case
+(gigabytes), and on a CPU the first write to each page of it faults into the kernel
+(2-6 us per 4 KiB page measured here: 0.2-0.5 ms per SmolLM2 block), so cycling through
+the whole pool would cost seconds and grow the process to the pool's full size. Blocks
+that never held data are therefore taken only while at most ``freed_block_reserve``
+freed blocks are free; above that, the least recently freed block is reused. Freed
+blocks, and the prefixes they cache, are kept up to that reserve (an eighth of the pool
+by default), and the memory in use grows to the workload's peak plus the reserve.
 
 A full block's hash chains its parent's hash with its own token ids, so equal
 hashes mean equal whole prefixes. Hashes are 128-bit BLAKE2b digests: at 10^9
@@ -36,6 +45,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS,
+        freed_block_reserve: int | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,15 +55,22 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
-        # Ordered set of blocks with ref_count 0, least recently freed first.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Freed blocks kept before untouched ones are used (module docstring).
+        self.freed_block_reserve = num_blocks // 8 if freed_block_reserve is None else freed_block_reserve
+        # Ordered set of freed blocks with ref_count 0, least recently freed first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict()
+        self.next_untouched = 0  # blocks [next_untouched, num_blocks) have never been used
         self.pending_copies: list[tuple[int, int]] = []
         self.num_cache_queries = 0
         self.num_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + self.num_blocks - self.next_untouched
+
+    def free_block_ids(self) -> list[int]:
+        """Every block with ref_count 0: freed ones in reuse order, then the untouched ones."""
+        return [*self.free_blocks, *range(self.next_untouched, self.num_blocks)]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -184,6 +201,11 @@ class BlockManager:
         self.ref_counts[block] += 1
 
     def _take_free_block(self) -> int:
+        if self.next_untouched < self.num_blocks and len(self.free_blocks) <= self.freed_block_reserve:
+            block = self.next_untouched
+            self.next_untouched += 1
+            self.ref_counts[block] = 1
+            return block
         block, _ = self.free_blocks.popitem(last=False)
         evicted = self.block_hash[block]
         if evicted is not None:

@@ -62,13 +62,13 @@ def test_failed_allocation_changes_nothing(num_blocks, block_size, held, asked):
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True, lookahead_tokens=0)
     holder = _request(0, list(range(3, 3 + max(held, 1))))
     manager.allocate_slots(holder, min(held, num_blocks * block_size))
-    before = (list(manager.ref_counts), list(manager.free_blocks))
+    before = (list(manager.ref_counts), manager.free_block_ids())
     request = _request(1, list(range(3, 3 + asked)))
     ok = manager.allocate_slots(request, asked)
     if ok:
         assert len(request.block_ids) == manager.blocks_needed(asked)
     else:
-        assert (list(manager.ref_counts), list(manager.free_blocks)) == before and request.block_ids == []
+        assert (list(manager.ref_counts), manager.free_block_ids()) == before and request.block_ids == []
         assert manager.blocks_needed(asked) > manager.num_free_blocks
 
 
@@ -135,13 +135,15 @@ def test_lookahead_is_capped_and_leaves_the_floor_free(num_blocks, block_size, l
         assert needed_now <= len(request.block_ids) <= manager.blocks_needed(request.num_tokens)
     in_use = sum(len(r.block_ids) for r in requests)
     assert manager.num_free_blocks == num_blocks - in_use
-    assert released >= 0 and sorted(manager.free_blocks) == sorted(
+    assert released >= 0 and sorted(manager.free_block_ids()) == sorted(
         set(range(num_blocks)) - {b for r in requests for b in r.block_ids}
     )
 
 
 def test_released_blocks_are_reused_before_cached_prefixes():
-    manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True, lookahead_tokens=8)
+    # A reserve of the whole pool: untouched blocks go first, then the freed queue's front.
+    manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True, lookahead_tokens=8,
+                           freed_block_reserve=8)
     cached = _request(0, [10, 11, 12, 13, 14], max_tokens=1)
     _compute(manager, cached, 5)
     manager.free(cached)  # its two full blocks stay in the prefix cache
@@ -152,3 +154,46 @@ def test_released_blocks_are_reused_before_cached_prefixes():
     other = _request(2, [30, 31, 32, 33, 34, 35], max_tokens=1)
     _compute(manager, other, 6)
     assert len(manager.find_cached_prefix(_request(3, [10, 11, 12, 13, 99]))) == 2
+
+
+def _run_one_at_a_time(manager: BlockManager, prompts: list[list[int]]) -> None:
+    """Prefill each prompt alone, taking its cached prefix as the scheduler does, then free it."""
+    for i, tokens in enumerate(prompts):
+        request = _request(i, tokens, max_tokens=1)
+        cached = manager.find_cached_prefix(request)
+        request.num_computed_tokens = len(cached) * manager.block_size
+        assert manager.allocate_slots(request, len(tokens) - request.num_computed_tokens, cached)
+        request.num_computed_tokens = len(tokens)
+        manager.cache_computed_blocks(request)
+        manager.free(request)
+
+
+def test_memory_is_touched_only_up_to_the_peak_use_plus_the_reserve():
+    manager = BlockManager(num_blocks=1000, block_size=4, enable_prefix_caching=True, lookahead_tokens=0,
+                           freed_block_reserve=10)
+    # 200 requests of 3 blocks each, no shared prefix, one at a time: 600 allocations.
+    _run_one_at_a_time(manager, [[i, i, i, i] * 3 for i in range(200)])
+    assert manager.next_untouched <= 3 + 10 + 1, "blocks beyond the peak use and the reserve were touched"
+    assert manager.num_free_blocks == 1000
+    # With the reserve as large as the pool, every block is used once before any is reused.
+    everything = BlockManager(num_blocks=1000, block_size=4, enable_prefix_caching=True, lookahead_tokens=0,
+                              freed_block_reserve=1000)
+    _run_one_at_a_time(everything, [[i, i, i, i] * 3 for i in range(200)])
+    assert everything.next_untouched == 600
+
+
+@settings(max_examples=100, deadline=None)
+@given(reserve=st.integers(0, 12), num_prefixes=st.integers(1, 12), repeats=st.integers(1, 4))
+def test_freed_prefixes_within_the_reserve_stay_cached(reserve, num_prefixes, repeats):
+    manager = BlockManager(num_blocks=64, block_size=2, enable_prefix_caching=True, lookahead_tokens=0,
+                           freed_block_reserve=reserve)
+    # Each prompt is one distinct full block plus one token (a partial block, never cached).
+    prompts = [[100 + i, 200 + i, 7] for i in range(num_prefixes)]
+    for _ in range(repeats):
+        _run_one_at_a_time(manager, prompts)
+    # At least `reserve` blocks stay in the freed queue, the most recently freed: the last
+    # reserve // 2 requests' two blocks each, whose full blocks keep their prefix.
+    kept = min(num_prefixes, reserve // 2)
+    for i in range(num_prefixes - kept, num_prefixes):
+        assert manager.find_cached_prefix(_request(99, [100 + i, 200 + i, 8])) != [], f"prefix {i} was evicted"
+    assert manager.next_untouched <= 2 + reserve + 1

@@ -140,7 +140,7 @@ def _check_block_invariants(manager: BlockManager, running: list[Request]) -> No
         for block in request.block_ids:
             holders[block] += 1
     assert holders == manager.ref_counts, "reference counts differ from the blocks requests hold"
-    assert set(manager.free_blocks) == {b for b, count in enumerate(manager.ref_counts) if count == 0}
+    assert set(manager.free_block_ids()) == {b for b, count in enumerate(manager.ref_counts) if count == 0}
     for block_hash, block in manager.hash_to_block.items():
         assert manager.block_hash[block] == block_hash
 
