@@ -8,8 +8,9 @@ contexts 128 to 4096, in bf16 and fp32; at context 512 with each sequence's bloc
 Achieved bandwidth counts the K/V bytes read, set against a large tensor copy measured in
 the same run (read + write bytes). Small batches rotate over copies on disjoint blocks, at
 least 256 MiB in all, so that K/V come from DRAM as in a real model with many layers, not
-from the CPU caches. Also one prefill batch and reshape_and_cache. Prints a markdown table;
---out FILE writes it to FILE too.
+from the CPU caches. Also one prefill batch, reshape_and_cache, and the greedy sampler's
+argmax_rows over SmolLM2's 49,152-token vocabulary. Prints a markdown table; --out FILE
+writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
 """
@@ -31,6 +32,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 # work item reads together), and longer runs stream better.
 LARGER_BLOCK_SIZES = (64, 256)
 SCALE = HEAD_SIZE**-0.5
+VOCAB_SIZE = 49152
 BATCHES = (1, 32, 256)
 CONTEXTS = (128, 512, 1024, 4096)
 REFERENCE_MAX_TOKENS = 256 * 1024  # the reference takes seconds per call beyond this many context tokens
@@ -115,6 +117,15 @@ def reshape_and_cache_row(cache: Cache, num_tokens: int) -> dict:
                 compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
 
 
+def argmax_rows_row(dtype: torch.dtype, rows: int) -> dict:
+    logits = torch.randn(rows, VOCAB_SIZE).to(dtype)
+    out = torch.empty(rows, dtype=torch.int64)
+    compiled = time_call(lambda: torch.ops.contbatch.argmax_rows(out, logits), min_seconds=0.2)
+    ref = time_call(lambda: reference.argmax_rows(out, logits), min_seconds=0.2)
+    return dict(op=f"argmax_rows {rows} x {VOCAB_SIZE}", dtype=str(dtype).removeprefix("torch."),
+                compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
+
+
 def markdown(rows: list[dict], copy_gbs: float) -> str:
     lines = [
         f"Copy bandwidth (512 MiB tensor copy, read + write): {copy_gbs:.1f} GB/s. "
@@ -164,6 +175,8 @@ def main() -> None:
         rows.append(attention_row(cache, "prefill 8 x 200 tokens", [200] * 8, [200] * 8, copy_gbs))
         for num_tokens in (32, 256, 4096):
             rows.append(reshape_and_cache_row(cache, num_tokens))
+        for num_rows in (1, 256):
+            rows.append(argmax_rows_row(dtype, num_rows))
         del cache
         for block_size in LARGER_BLOCK_SIZES:
             cache = Cache(dtype, 256 * 1024, block_size)
