@@ -204,12 +204,11 @@ class BlockManager:
         if self.next_untouched < self.num_blocks and len(self.free_blocks) <= self.freed_block_reserve:
             block = self.next_untouched
             self.next_untouched += 1
-            self.ref_counts[block] = 1
-            return block
-        block, _ = self.free_blocks.popitem(last=False)
-        evicted = self.block_hash[block]
-        if evicted is not None:
-            del self.hash_to_block[evicted]
-            self.block_hash[block] = None
+        else:
+            block, _ = self.free_blocks.popitem(last=False)
+            evicted = self.block_hash[block]
+            if evicted is not None:
+                del self.hash_to_block[evicted]
+                self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

@@ -1,7 +1,7 @@
 // Row kernels of the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
-// rotary embedding) and of the greedy sampler's argmax, written once against the Vec16 API and included by
-// layers_avx512.cpp and layers_generic.cpp inside an anonymous namespace, after their
-// simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
+// rotary embedding) and of the greedy sampler's argmax, written once against the Vec16
+// API and included by kernels_avx512.cpp and kernels_generic.cpp inside an anonymous
+// namespace, after their simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
 //
 // Rounding follows PyTorch's op-by-op evaluation of the same formulas (contbatch/ops/
 // reference.py) so that bf16 results agree with HF transformers: wherever PyTorch would
