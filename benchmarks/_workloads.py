@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHAT256_PATH = REPO_ROOT.parent / "shared" / "workloads" / "chat256.jsonl"
+CHAT256_PATH = REPO_ROOT / "benchmarks" / "workloads" / "chat256.jsonl"
 WORKLOADS = ("chat256", "synthetic1024", "synthetic4096")
 SYNTHETIC_SEED = 1234
 

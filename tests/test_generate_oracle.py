@@ -20,7 +20,7 @@ from tests.conftest import TINY_CONFIGS, TINY_VOCAB, HFOracle, assert_greedy_mat
 NEAR_TIE_TOL = 1e-3  # fp32 logits: fused vs separate projections differ by ~1e-5
 BF16_NEAR_TIE_TOL = 0.5  # bf16 logits, see test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax
 EOS = 2
-WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "chat256.jsonl"
+WORKLOAD = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "chat256.jsonl"
 
 SCENARIOS = {
     "mixed": dict(max_num_seqs=6),  # later requests join a running batch and hit the prefix cache
