@@ -4,10 +4,10 @@ The package works without it (pure-PyTorch reference ops), so a failed or skippe
 build never blocks installation: set CONTBATCH_NO_EXT=1 to skip it on purpose, or
 CONTBATCH_REQUIRE_EXT=1 to make a failed build an error (CI).
 
-CPU: csrc/*.cpp and csrc/cpu/*.cpp. No -march flag: the AVX-512 attention kernel is
-compiled through a function-level target pragma (csrc/cpu/kernels_avx512.cpp) and
-chosen at run time only on CPUs that have AVX-512 with AVX512_BF16; every other CPU runs
-the portable kernel, so one build runs anywhere. CUDA: csrc/cuda/*.cu are added when
+CPU: csrc/*.cpp and csrc/cpu/*.cpp. No -march flag: the kernels are compiled once per ISA
+tier (AVX2, AVX-512, AVX-512 + AVX512_BF16) through function-level target pragmas
+(csrc/cpu/kernels_<tier>.cpp) and once portably, and the best tier the CPU has is chosen at
+run time (csrc/cpu/cpu_isa.cpp), so one build runs anywhere. CUDA: csrc/cuda/*.cu are added when
 torch is a CUDA build and a CUDA toolkit is found (CUDA_HOME).
 """
 

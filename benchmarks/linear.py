@@ -4,7 +4,9 @@ oneDNN's packed linear (what contbatch used before) and plain ``F.linear``.
 One "step" is the model's 121 projections (fused QKV, O, fused gate-up and down for 30
 layers, then the tied LM head), 269 MB of weights, so they stream from DRAM as in a real
 decode step, for 1 to 720 input rows. Reports milliseconds per step, the weight bytes read
-per second and the matmul rate; the panel kernel runs only on CPUs with AVX512_BF16.
+per second and the matmul rate. The panel kernel runs on the active ISA tier
+(CONTBATCH_CPU_ISA picks one); oneDNN's bf16 linear only exists on AVX-512 and
+AVX-NE-CONVERT CPUs.
 
     python benchmarks/linear.py [--rows 1,4,...] [--update-docs]
 """
@@ -17,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from contbatch import ops
-from contbatch.layers.linear import PackedWeight, onednn_packed, packed_linear, panel_packed
+from contbatch.layers.linear import PackedWeight, onednn_can_pack, onednn_packed, packed_linear, panel_packed
 
 from _report import replace_marked
+from _machine import cpu_description
 from _roofline import copy_bandwidth, fastest
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
@@ -56,7 +59,8 @@ def markdown(results: dict[str, dict[int, float]], weight_bytes: int, copy_gbs: 
     lines = [
         f"One step = SmolLM2-135M's 121 bf16 projections, {weight_bytes / 1e6:.0f} MB of weights. "
         f"Copy bandwidth {copy_gbs:.1f} GB/s (read + write). torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads. Times: fastest of 4 steps.",
+        f"{torch.get_num_threads()} threads, CPU: {cpu_description()}. "
+        "Times: fastest of 4 steps.",
         "",
         "| rows | " + " | ".join(f"{n} ms (GB/s, GFLOP/s)" for n in names) + " | panels vs oneDNN |",
         "| ---: | " + " | ".join("---:" for _ in names) + " | ---: |",
@@ -68,7 +72,8 @@ def markdown(results: dict[str, dict[int, float]], weight_bytes: int, copy_gbs: 
             # bf16: 2 bytes and, per input row, 2 FLOPs per weight, so FLOPs = bytes x rows.
             gbs, gflops = weight_bytes / seconds / 1e9, weight_bytes * rows / seconds / 1e9
             cells.append(f"{seconds * 1e3:.1f} ({gbs:.1f}, {gflops:.0f})")
-        ratio = results["onednn"][rows] / results["panels"][rows] if "panels" in results else float("nan")
+        both = "panels" in results and "onednn" in results
+        ratio = results["onednn"][rows] / results["panels"][rows] if both else float("nan")
         lines.append(f"| {rows} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return "\n".join(lines)
 
@@ -81,8 +86,10 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in step_shapes()]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    steps = {"onednn": packed_step(weights, onednn_packed), "F.linear": plain_step(weights)}
-    if ops.fast_bf16_linear_available():
+    steps = {"F.linear": plain_step(weights)}
+    if onednn_can_pack(weights[0]):  # oneDNN has bf16 on AVX-512 and AVX-NE-CONVERT CPUs only
+        steps = {"onednn": packed_step(weights, onednn_packed), **steps}
+    if ops.bf16_linear_available():
         steps = {"panels": packed_step(weights, panel_packed), **steps}
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from contbatch import ops
+
 _DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -100,11 +102,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def _auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_serves_bf16() else torch.float32
 
 
-def cpu_has_native_bf16() -> bool:
-    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls beat fp32."""
+def cpu_serves_bf16() -> bool:
+    """Whether bf16 is the faster CPU dtype: where contbatch's kernels run an AVX2 tier or
+    better, bf16 weights and KV cache halve the bytes every decode step reads, and the
+    matmuls run on vdpbf16ps (AVX512_BF16) or on fp32 FMAs after a 16-bit shift (measured in
+    docs/performance.md). Without the extension, only CPUs with native bf16 matmuls
+    (AVX512_BF16 or AMX, through oneDNN) are faster in bf16."""
+    if ops.cpu_isa() in ("avx2", "avx512", "avx512_bf16"):
+        return True
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _cpu_flags_have_bf16()
     except (AttributeError, RuntimeError):

@@ -28,10 +28,14 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
 // out[r] = index of the first maximum of logits[r] (NaN largest), as torch.max(dim=-1); CPU only.
 void argmax_rows_cpu(at::Tensor& out, const at::Tensor& logits);
 
-// bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only; and which
-// kernel build the CPU ops run now ("avx512_bf16" or "generic").
+// bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only.
 void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                      const std::optional<at::Tensor>& bias);
+
+// The CPU kernels' ISA tier (csrc/cpu/cpu_isa.h): the one the ops run now, choosing one by
+// name ("auto", "generic", "avx2", "avx512", "avx512_bf16"), and those this CPU can run.
 std::string cpu_kernel_isa();
+void set_cpu_isa(std::string isa);
+std::vector<std::string> supported_cpu_isas();
 
 }  // namespace contbatch

@@ -21,6 +21,8 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
   m.def("cpu_kernel_isa() -> str", &contbatch::cpu_kernel_isa);
+  m.def("set_cpu_isa(str isa) -> ()", &contbatch::set_cpu_isa);
+  m.def("supported_cpu_isas() -> str[]", &contbatch::supported_cpu_isas);
 }
 
 TORCH_LIBRARY_IMPL(contbatch, CPU, m) {

@@ -1,8 +1,10 @@
 """Greedy outputs equal HF transformers `generate` run on each request alone, token for token,
 while the requests run together in mixed batches: plain, under KV-cache pressure
 (preemption), with a tiny token budget (chunked prefill), and with shared prefixes
-(prefix-cache hits). fp32 throughout; a divergence must be a proven near-tie."""
+(prefix-cache hits). fp32 throughout; a divergence must be a proven near-tie. On the CPU
+always, and on CUDA too when torch sees a GPU."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -16,6 +18,7 @@ from contbatch import LLM, SamplingParams, ops
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.models.loader import read_config
 from tests.conftest import TINY_CONFIGS, TINY_VOCAB, HFOracle, assert_greedy_match
+from tests.ops.paged_batch import device_params, isa_params
 
 NEAR_TIE_TOL = 1e-3  # fp32 logits: fused vs separate projections differ by ~1e-5
 BF16_NEAR_TIE_TOL = 0.5  # bf16 logits, see test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax
@@ -41,8 +44,8 @@ def _tiny_prompts() -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def _engine_kwargs(model_dir: Path, scenario: dict, max_model_len: int) -> dict:
-    kwargs = dict(dtype="float32", device="cpu", max_model_len=max_model_len)
+def _engine_kwargs(model_dir: Path, scenario: dict, max_model_len: int, device: str = "cpu") -> dict:
+    kwargs = dict(dtype="float32", device=device, max_model_len=max_model_len)
     kwargs.update({k: v for k, v in scenario.items() if k != "kv_blocks"})
     if "kv_blocks" in scenario:
         per_block = ModelRunner.bytes_per_block(read_config(model_dir), 16, _torch_float32())
@@ -89,12 +92,14 @@ def tiny_oracle_outputs(tiny_model_dirs):
     }
 
 
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("scenario_name", SCENARIOS)
 @pytest.mark.parametrize("arch", TINY_CONFIGS)
-def test_tiny_models_match_hf(arch, scenario_name, tiny_model_dirs, tiny_oracle_outputs):
+def test_tiny_models_match_hf(arch, scenario_name, device, tiny_model_dirs, tiny_oracle_outputs):
     model_dir = tiny_model_dirs[arch]
     prompts, max_tokens = _tiny_prompts()
-    llm = LLM(model_dir, skip_tokenizer_init=True, **_engine_kwargs(model_dir, SCENARIOS[scenario_name], 192))
+    kwargs = _engine_kwargs(model_dir, SCENARIOS[scenario_name], 192, device)
+    llm = LLM(model_dir, skip_tokenizer_init=True, **kwargs)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens]
     # A generator exercises lazy admission; outputs must still come back in input order.
     outputs, seen = _run_and_spy(llm, (p for p in prompts), params)
@@ -148,13 +153,14 @@ def smollm_expected(smollm_dir, smollm_oracle):
     return prompt_ids, [smollm_oracle.greedy(ids, n, EOS) for ids, n in zip(prompt_ids, max_tokens)]
 
 
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("scenario_name", ["mixed", "preemption-and-chunked"])
-def test_smollm2_matches_hf(scenario_name, smollm_dir, smollm_oracle, smollm_expected):
+def test_smollm2_matches_hf(scenario_name, device, smollm_dir, smollm_oracle, smollm_expected):
     scenario = dict(kv_blocks=40, max_num_seqs=12, max_num_batched_tokens=64)
     if scenario_name == "mixed":
         scenario = SCENARIOS["mixed"]
     prompts, max_tokens = _chat_prompts(10)
-    llm = LLM(smollm_dir, **_engine_kwargs(smollm_dir, scenario, 512))
+    llm = LLM(smollm_dir, **_engine_kwargs(smollm_dir, scenario, 512, device))
     outputs, seen = _run_and_spy(llm, prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens])
 
     prompt_ids, expected = smollm_expected
@@ -180,23 +186,26 @@ def test_compiled_ops_are_what_ran():
     assert ops.paged_attention is torch.ops.contbatch.paged_attention
 
 
+@pytest.mark.parametrize("isa", isa_params() if ops.BACKEND == "native" else ["reference"])
 @pytest.mark.parametrize("batched", [False, True])
-def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, smollm_dir, smollm_expected):
-    """bf16, the default on CPUs with AVX512_BF16 (and the panel-layout linear kernel there):
-    every greedy token we pick is HF's bf16 argmax given the same prefix, or within bf16
-    rounding of it. One request alone (1-row matmuls) and ten together (up to ~300 rows)."""
+def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, isa, smollm_dir, smollm_expected):
+    """bf16, the default wherever the extension runs an AVX2 tier or better, with the
+    panel-layout linear kernel of every tier: every greedy token we pick is HF's bf16 argmax
+    given the same prefix, or within bf16 rounding of it. One request alone (1-row matmuls)
+    and ten together (up to ~300 rows), on each ISA tier this CPU has."""
     from transformers import AutoModelForCausalLM
 
     prompt_ids, _ = smollm_expected
     prompt_ids = prompt_ids if batched else prompt_ids[:1]
-    llm = LLM(smollm_dir, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True)
-    if ops.fast_bf16_linear_available():
-        assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.packed_weight.layout == "panels"
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids],
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        use_tqdm=False,
-    )
+    with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
+        llm = LLM(smollm_dir, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True)
+        if ops.bf16_linear_available():
+            assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.packed_weight.layout == "panels"
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
     hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.bfloat16).eval()
     for ids, output in zip(prompt_ids, outputs):
         ours = output.outputs[0].token_ids

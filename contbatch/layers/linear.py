@@ -3,15 +3,17 @@
 PyTorch's CPU ``F.linear`` takes a plain row-major weight and pays for that layout on
 every call. Two layouts replace it:
 
-- ``panels`` (bf16 on CPUs with AVX512_BF16): contbatch's own ``bf16_linear`` kernel
-  (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``). Over SmolLM2's
-  121 projections it ran 1.8x faster than oneDNN at one and two rows (9.3 against 16.3 ms
-  a step at one row, 29 GB/s of weights), 1.1-1.4x from 4 to 64 rows, level at 256 and 2%
-  slower at 720 (benchmarks/linear.py; table in docs/performance.md). Sums are fp32 in a different
-  order from oneDNN's, so a result can differ from ``F.linear`` by one bf16 rounding step.
-- ``onednn`` (fp32, and bf16 where the kernel above does not run): oneDNN's blocked
-  format, called directly; 1.3-2.4x faster than ``F.linear`` for the few-token matmuls of
-  decode and no slower at 256 tokens, with ``F.linear``'s results.
+- ``panels`` (bf16, wherever the extension is built): contbatch's own ``bf16_linear``
+  kernel (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``), on every
+  ISA tier: vdpbf16ps on AVX512_BF16 CPUs, bf16 widened to fp32 FMAs on AVX2 and AVX-512
+  without it. On AVX512_BF16 it ran 1.8x faster than oneDNN at one and two rows over
+  SmolLM2's 121 projections (9.3 against 16.3 ms a step at one row, 29 GB/s of weights),
+  1.1-1.4x from 4 to 64 rows, level at 256 and 2% slower at 720 (benchmarks/linear.py;
+  table in docs/performance.md). On AVX2 CPUs oneDNN has no bf16 path at all. Sums are
+  fp32 in a different order from F.linear's, so a result can differ by one bf16 rounding step.
+- ``onednn`` (fp32; bf16 only without the extension, on CPUs where oneDNN does bf16):
+  oneDNN's blocked format, called directly; 1.3-2.4x faster than ``F.linear`` for the
+  few-token matmuls of decode and no slower at 256 tokens, with ``F.linear``'s results.
 """
 
 from dataclasses import dataclass
@@ -35,12 +37,13 @@ class PackedWeight:
     out_features: int
 
 
-def _onednn_can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.dtype in _ONEDNN_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+def onednn_can_pack(weight: torch.Tensor) -> bool:
+    if weight.dtype not in _ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on other CPUs it raises.
+    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def panel_packed(weight: torch.Tensor) -> PackedWeight:
@@ -58,9 +61,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The fastest layout this CPU and build have for ``weight``; None: keep it plain."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.bfloat16 and ops.fast_bf16_linear_available():
+    if weight.dtype == torch.bfloat16 and ops.bf16_linear_available():
         return panel_packed(weight)
-    if _onednn_can_pack(weight):
+    if onednn_can_pack(weight):
         return onednn_packed(weight)
     return None
 

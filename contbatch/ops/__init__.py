@@ -8,6 +8,8 @@ semantics as :mod:`contbatch.ops.reference`.
 import importlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -66,11 +68,65 @@ else:
     rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows = (getattr(reference, n) for n in ROW_OPS)
 
 
-def fast_bf16_linear_available() -> bool:
-    """Whether ``bf16_linear`` runs the AVX512_BF16 kernel now: only then do bf16 weights
-    take its panel layout (elsewhere oneDNN's own layout is faster)."""
-    return _native is not None and _native.cpu_kernel_isa() == "avx512_bf16"
+CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+"""The CPU kernels' ISA tiers, slowest first (csrc/cpu/cpu_isa.h)."""
 
+
+def _choose_isa_from_environment() -> None:
+    """Applies CONTBATCH_CPU_ISA once, at import: a tier this CPU lacks is refused here,
+    before any model loads, not on the first op call."""
+    isa = os.environ.get("CONTBATCH_CPU_ISA", "auto")
+    if _native is None:
+        if isa not in ("auto", "", "generic"):
+            raise ValueError(f"CONTBATCH_CPU_ISA={isa}: the C++ extension is not built, so only the "
+                             "PyTorch reference ops run; unset it or build the extension")
+        return
+    try:
+        _native.set_cpu_isa(isa)
+    except RuntimeError as exc:  # torch wraps the extension's ValueError
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def cpu_isa() -> str | None:
+    """The ISA tier the CPU kernels run now (one of CPU_ISAS), or None without the extension."""
+    return None if _native is None else _native.cpu_kernel_isa()
+
+
+def supported_cpu_isas() -> list[str]:
+    """The tiers this CPU and build can run, slowest first; empty without the extension."""
+    return [] if _native is None else list(_native.supported_cpu_isas())
+
+
+def set_cpu_isa(isa: str) -> None:
+    """Runs the CPU kernels of tier ``isa`` ("auto": the best this CPU has) from now on.
+    ValueError for a tier this CPU or build lacks."""
+    if _native is None:
+        raise ValueError("set_cpu_isa: the C++ extension is not built")
+    try:
+        _native.set_cpu_isa(isa)
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+@contextmanager
+def use_cpu_isa(isa: str) -> Iterator[None]:
+    """Runs the block on the CPU kernels of tier ``isa``, then restores the tier before it:
+    how tests and benchmarks compare tiers in one process."""
+    before = cpu_isa()
+    set_cpu_isa(isa)
+    try:
+        yield
+    finally:
+        set_cpu_isa(before)
+
+
+def bf16_linear_available() -> bool:
+    """Whether ``bf16_linear`` has a compiled kernel: every ISA tier has one, so bf16
+    weights take its panel layout wherever the extension is built."""
+    return _native is not None
+
+
+_choose_isa_from_environment()
 
 bf16_linear = _native.bf16_linear if _native is not None else reference.bf16_linear
 
@@ -81,6 +137,11 @@ __all__ = [
     "copy_blocks",
     *ROW_OPS,
     "bf16_linear",
-    "fast_bf16_linear_available",
+    "bf16_linear_available",
+    "CPU_ISAS",
+    "cpu_isa",
+    "supported_cpu_isas",
+    "set_cpu_isa",
+    "use_cpu_isa",
     "reference",
 ]

@@ -1,5 +1,5 @@
 // CPU paged_attention driver: checks the batch, cuts it into WorkItems and runs them on
-// ATen's thread pool with the best kernel this CPU supports.
+// ATen's thread pool with the kernels of the active ISA tier (cpu_isa.h).
 //
 // Work items: for each sequence, kv head and tile of query tokens, the query heads of that
 // kv head (GQA) together, at most kMaxRows rows, so each K/V row is read once per tile.
@@ -24,7 +24,7 @@
 #include "../op_checks.h"
 #include "../ops.h"
 #include "attention_kernel_api.h"
-#include "cpu_features.h"
+#include "cpu_isa.h"
 
 namespace contbatch {
 
@@ -39,10 +39,6 @@ using cpu::WorkItem;
 constexpr int64_t kItemsPerThread = 4;     // fewer than this per thread: split the key ranges
 constexpr int64_t kMinPartition = 256;     // key positions per partition, at least
 constexpr int64_t kPartitionsPerThread = 8;
-
-const AttentionKernels* select_kernels() {
-  return cpu::use_avx512_kernels(cpu::avx512_kernels() != nullptr) ? cpu::avx512_kernels() : cpu::generic_kernels();
-}
 
 // Checks each sequence's lengths and block ids, then appends its work items.
 void add_sequence_items(std::vector<WorkItem>& items, int32_t seq, int32_t q_begin, int32_t q_end,
@@ -189,7 +185,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                            key_cache.size(2), query.size(2), query.size(1) / key_cache.size(1),
                            static_cast<float>(scale), sliding_window,
                            query.scalar_type() == at::kBFloat16};
-  const AttentionKernels* kernels = select_kernels();
+  const AttentionKernels* kernels = cpu::active_kernels().attention;
   at::Tensor partials;  // only split tasks need scratch
   if (plan.partial_floats > 0) partials = at::empty({plan.partial_floats}, query.options().dtype(at::kFloat));
   float* partial_data = partials.defined() ? partials.data_ptr<float>() : nullptr;

@@ -1,13 +1,15 @@
-// Paged attention for one WorkItem, written once against the Vec16 functions of
-// simd_avx512.h or simd_generic.h (whichever the including file put in scope).
+// Paged attention for one WorkItem, written once against the Vec16 functions of the ISA
+// tier's simd header (simd_generic.h, simd_avx2.h or simd_avx512.h), whichever
+// kernel_tier.h's includer put in scope.
 //
 // For each chunk of up to 16 key positions (which may span cache blocks) the item:
 //   1. computes the scores of all its rows (query heads x query tokens sharing one kv head),
 //      so every K row is loaded from memory once for all of them;
 //   2. updates each row's online softmax (running max m, running sum l) in fp32;
 //   3. accumulates p * V into the rows, a few rows at a time with their accumulators in
-//      registers, each V row loaded once per few rows: fp32 FMAs, or for bf16 on AVX512_BF16
-//      vdpbf16ps on bf16-rounded p (two keys per instruction, fp32 sums; see simd_avx512.h).
+//      registers, each V row loaded once per few rows: fp32 FMAs, or for bf16 on the
+//      AVX512_BF16 tier vdpbf16ps on bf16-rounded p (two keys per instruction, fp32 sums;
+//      see simd_avx512.h).
 // Layouts: attention_kernel_api.h.
 
 constexpr int kChunk = kLanes;  // key positions per chunk: one vector of scores per row
@@ -17,11 +19,12 @@ constexpr float kLog2e = 1.44269504088896341f;
 // fp32 holds with room to spare, and most chunks skip the horizontal max and the rescale.
 constexpr float kRescaleSlack = 8.0f;
 
-// Rows whose accumulators stay in registers while p * V is accumulated: RB * NC of them
-// plus the V row's NC must fit the 32 vector registers.
+// Rows whose accumulators stay in registers while p * V is accumulated: RB * NC of them,
+// the V row's NC and a few temporaries must fit the tier's vector registers; at most 4.
 template <int NC>
 constexpr int max_row_block() {
-  return NC <= 5 ? 4 : NC <= 6 ? 3 : NC <= 8 ? 2 : 1;
+  constexpr int rows = (kVectorRegisters - 4) / NC - 1;
+  return rows < 1 ? 1 : rows > 4 ? 4 : rows;
 }
 
 template <int N>

@@ -1,5 +1,5 @@
 // Interface between the ATen driver (attention.cpp) and the per-ISA attention kernels
-// (kernels_avx512.cpp, kernels_generic.cpp). No ATen here: the kernel translation
+// (kernels_<tier>.cpp, see kernel_set.h). No ATen here: the kernel translation
 // units are compiled with other target ISAs and must not share inline code with the rest.
 //
 // Layouts (see docs/kv_cache_layout.md):
@@ -67,10 +67,5 @@ struct AttentionKernels {
   void (*reduce_partitions)(const AttentionArgs& args, const WorkItem* parts, int num_parts,
                             const float* partials);
 };
-
-// nullptr when the AVX-512 kernels were not compiled (non-x86 or non-GCC compiler).
-// Call only when the CPU supports avx512f/bw/vl/dq and avx512_bf16.
-const AttentionKernels* avx512_kernels();
-const AttentionKernels* generic_kernels();
 
 }  // namespace contbatch::cpu

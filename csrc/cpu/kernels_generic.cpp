@@ -1,22 +1,19 @@
 // The CPU kernels for any CPU: portable C++ the compiler vectorises for the baseline ISA.
-// Used when the CPU lacks AVX-512/AVX512_BF16, or with CONTBATCH_CPU_ISA=generic.
+// Used where the CPU has no AVX2 (or the build no x86 tiers), or with CONTBATCH_CPU_ISA=generic.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include "attention_kernel_api.h"
-#include "layers_kernel_api.h"
-#include "linear_kernel_api.h"
+#include "kernel_set.h"
 
 namespace contbatch::cpu {
 namespace {
 #include "simd_generic.h"
-#include "attention_kernel.h"
-#include "layers_kernel.h"
-#include "linear_kernel.h"
+#include "kernel_tier.h"
 }  // namespace
 
-const AttentionKernels* generic_kernels() { return &kKernels; }
-LayerKernelSet generic_layer_kernels() { return {layer_kernels_for<float>(), layer_kernels_for<uint16_t>()}; }
-LinearKernels generic_linear_kernels() { return {&linear_bf16_panel}; }
+const KernelSet* generic_kernel_set() {
+  static const KernelSet set{"generic", &kKernels, &kTierLayerKernels, &kTierLinearKernels};
+  return &set;
+}
 }  // namespace contbatch::cpu

@@ -8,17 +8,11 @@
 
 #include "../op_checks.h"
 #include "../ops.h"
-#include "cpu_features.h"
+#include "cpu_isa.h"
 #include "layers_kernel_api.h"
 
 namespace contbatch {
 namespace {
-
-const cpu::LayerKernelSet& layer_kernels() {
-  static const cpu::LayerKernelSet generic = cpu::generic_layer_kernels();
-  const cpu::LayerKernelSet* avx512 = cpu::avx512_layer_kernels();
-  return cpu::use_avx512_kernels(avx512 != nullptr) ? *avx512 : generic;
-}
 
 // Rows per task: a thread is only worth waking for ~16K elements of work.
 int64_t grain_for(int64_t row_elements) { return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, row_elements)); }
@@ -27,9 +21,9 @@ template <class Fn>
 void for_each_dtype(const char* op, const at::Tensor& t, Fn&& fn) {
   check_dtype_supported(op, t, /*allow_half=*/false);
   if (t.scalar_type() == at::kFloat) {
-    fn(layer_kernels().fp32, static_cast<float*>(nullptr));
+    fn(cpu::active_kernels().layers->fp32, static_cast<float*>(nullptr));
   } else {
-    fn(layer_kernels().bf16, static_cast<uint16_t*>(nullptr));
+    fn(cpu::active_kernels().layers->bf16, static_cast<uint16_t*>(nullptr));
   }
 }
 

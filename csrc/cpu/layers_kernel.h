@@ -1,7 +1,7 @@
 // Row kernels of the fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul,
 // rotary embedding) and of the greedy sampler's argmax, written once against the Vec16
-// API and included by kernels_avx512.cpp and kernels_generic.cpp inside an anonymous
-// namespace, after their simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
+// API and included by every kernels_<tier>.cpp (through kernel_tier.h) inside an
+// anonymous namespace, after the tier's simd header. T is float or uint16_t (bf16 bits); arithmetic is fp32.
 //
 // Rounding follows PyTorch's op-by-op evaluation of the same formulas (contbatch/ops/
 // reference.py) so that bf16 results agree with HF transformers: wherever PyTorch would
@@ -149,8 +149,5 @@ inline int64_t argmax_row(const T* x, int64_t n) {
 }
 
 template <class T>
-const LayerKernels<T>* layer_kernels_for() {
-  static const LayerKernels<T> kernels{&rms_norm_row<T>, &add_rms_norm_row<T>, &silu_and_mul_row<T>,
-                                       &rotary_head<T>, &argmax_row<T>};
-  return &kernels;
-}
+constexpr LayerKernels<T> kLayerKernels{&rms_norm_row<T>, &add_rms_norm_row<T>, &silu_and_mul_row<T>, &rotary_head<T>,
+                                        &argmax_row<T>};

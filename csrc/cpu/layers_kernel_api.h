@@ -19,8 +19,4 @@ struct LayerKernelSet {
   const LayerKernels<uint16_t>* bf16;
 };
 
-LayerKernelSet generic_layer_kernels();
-// nullptr where the build has no AVX-512 code (non-GCC or non-x86-64).
-const LayerKernelSet* avx512_layer_kernels();
-
 }  // namespace contbatch::cpu

@@ -1,26 +1,21 @@
 // CPU driver of the bf16 linear op over panel-packed weights (layout: linear_kernel_api.h):
-// argument checks, ISA choice, threads over (panel, block of rows) tasks.
+// argument checks, threads over (panel, block of rows) tasks, each on the active ISA
+// tier's kernel (cpu_isa.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <optional>
-#include <string>
+#include <vector>
 
 #include "../op_checks.h"
 #include "../ops.h"
-#include "cpu_features.h"
+#include "cpu_isa.h"
 #include "linear_kernel_api.h"
 
 namespace contbatch {
 namespace {
-
-const cpu::LinearKernels& linear_kernels() {
-  static const cpu::LinearKernels generic = cpu::generic_linear_kernels();
-  const cpu::LinearKernels* avx512 = cpu::avx512_linear_kernels();
-  return cpu::use_avx512_kernels(avx512 != nullptr) ? *avx512 : generic;
-}
 
 // Rows per task. A panel's weights (64 columns x in_features) stay in L2 while a thread
 // runs its row blocks, and blocks of 48 rows split a few wide panels evenly over threads.
@@ -36,10 +31,6 @@ void check_bf16_matrix(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
-
-std::string cpu_kernel_isa() {
-  return cpu::use_avx512_kernels(cpu::avx512_linear_kernels() != nullptr) ? "avx512_bf16" : "generic";
-}
 
 void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                      const std::optional<at::Tensor>& bias) {
@@ -62,21 +53,24 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
     bias_data = static_cast<const uint16_t*>(bias->data_ptr());
   }
   if (rows == 0 || out_features == 0) return;
-  const cpu::LinearKernels& kernels = linear_kernels();
+  const cpu::LinearKernels& kernels = *cpu::active_kernels().linear;
   const auto* x = static_cast<const uint16_t*>(input.data_ptr());
   const auto* weight = static_cast<const uint16_t*>(packed_weight.data_ptr());
   auto* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
   // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
+  const int64_t scratch_words = (cpu::linear_scratch_bytes(in_features) + 7) / 8;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint64_t> scratch;  // the worker's staged inputs, kept across calls
+    if (static_cast<int64_t>(scratch.size()) < scratch_words) scratch.resize(scratch_words);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
       const int64_t column0 = panel * cpu::kPanelColumns;
       kernels.bf16_panel(x + row0 * input.stride(0), input.stride(0), std::min(kRowsPerTask, rows - row0),
                          in_features, weight + panel * panel_elements,
                          bias_data == nullptr ? nullptr : bias_data + column0, o + row0 * out.stride(0) + column0,
-                         out.stride(0), std::min(cpu::kPanelColumns, out_features - column0));
+                         out.stride(0), std::min(cpu::kPanelColumns, out_features - column0), scratch.data());
     }
   });
 }

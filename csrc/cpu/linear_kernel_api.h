@@ -1,4 +1,4 @@
-// Function table of the bf16 linear kernel (linear_kernel.h), one per ISA build.
+// Function table of the bf16 linear kernel (linear_kernel.h), one per ISA tier.
 #pragma once
 
 #include <cstdint>
@@ -12,15 +12,17 @@ namespace contbatch::cpu {
 // broadcast pair of inputs, so a panel streams from memory in address order.
 constexpr int64_t kPanelColumns = 64;
 
+// Scratch one bf16_panel call needs: a row tile's inputs, staged pair by pair (at most
+// 8 rows of 8 bytes a pair).
+constexpr int64_t kMaxLinearTileRows = 8;
+inline int64_t linear_scratch_bytes(int64_t in_features) { return (in_features + 1) / 2 * kMaxLinearTileRows * 8; }
+
 struct LinearKernels {
   // out[rows, columns] = x[rows, in_features] . panel (+ bias[columns]) for one panel;
-  // columns <= 64, bias may be nullptr. Rows are processed in register tiles.
+  // columns <= 64, bias may be nullptr. Rows are processed in register tiles; `scratch`
+  // holds linear_scratch_bytes(in_features), 8-byte aligned, private to the calling thread.
   void (*bf16_panel)(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
-                     const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns);
+                     const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch);
 };
-
-LinearKernels generic_linear_kernels();
-// nullptr where the build has no AVX-512 code (non-GCC or non-x86-64).
-const LinearKernels* avx512_linear_kernels();
 
 }  // namespace contbatch::cpu

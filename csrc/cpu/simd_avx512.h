@@ -1,5 +1,7 @@
-// 16-lane fp32 vector operations on AVX-512 (+ AVX512_BF16 for the bf16 dot products).
-// Included only by kernels_avx512.cpp, inside its `#pragma GCC target` region and an
+// 16-lane fp32 vector operations on AVX-512, for two tiers: with CONTBATCH_AVX512_BF16
+// defined (kernels_avx512_bf16.cpp) the bf16 dot products use vdpbf16ps; without it
+// (kernels_avx512.cpp, Skylake-SP to Ice Lake) they are widened to fp32
+// (simd_bf16_emulated.h). Included inside the tier's `#pragma GCC target` region and an
 // anonymous namespace; simd_generic.h defines the same functions portably.
 #pragma once
 
@@ -14,9 +16,21 @@ inline Vec16 vload(const uint16_t* bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline void vstore(float* p, Vec16 v) { _mm512_storeu_ps(p, v); }
+#ifdef CONTBATCH_AVX512_BF16
 inline void vstore(uint16_t* bf16, Vec16 v) {  // round to nearest even
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
+#else
+inline void vstore(uint16_t* bf16, Vec16 v) {  // round to nearest even, NaN stays NaN
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
 inline Vec16 vadd(Vec16 a, Vec16 b) { return _mm512_add_ps(a, b); }
 inline Vec16 vsub(Vec16 a, Vec16 b) { return _mm512_sub_ps(a, b); }
 inline Vec16 vmul(Vec16 a, Vec16 b) { return _mm512_mul_ps(a, b); }
@@ -32,21 +46,14 @@ inline Mask16 vequal(Vec16 a, float b) { return _mm512_cmp_ps_mask(a, vset1(b), 
 inline Mask16 visnan(Vec16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 inline Vec16 vmax(Vec16 a, Vec16 b) { return _mm512_max_ps(a, b); }  // b where either is NaN
 
-// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2, 2^f = e^(f ln2) by its degree-7 Taylor
-// polynomial (truncation error < 1e-8 relative). scalef gives 0 for very negative x.
+#include "simd_exp2.h"
+
+// 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2 (simd_exp2.h); scalef gives 0 for very
+// negative x and inf past 2^127.
 inline Vec16 vexp2(Vec16 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, vset1(-150.0f)), vset1(128.0f));
   const Vec16 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec16 f = vsub(x, n);
-  Vec16 p = vset1(1.5252734e-05f);  // ln2^k / k!, k = 7 .. 0
-  p = vfma(p, f, vset1(1.5403530e-04f));
-  p = vfma(p, f, vset1(1.3333558e-03f));
-  p = vfma(p, f, vset1(9.6181291e-03f));
-  p = vfma(p, f, vset1(5.5504109e-02f));
-  p = vfma(p, f, vset1(2.4022651e-01f));
-  p = vfma(p, f, vset1(6.9314718e-01f));
-  p = vfma(p, f, vset1(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(exp2_fraction(vsub(x, n)), n);
 }
 
 // Lane t of the result is the sum of the lanes of v[t]: a transposing tree of adds.
@@ -69,14 +76,43 @@ inline Vec16 vsum_transpose(Vec16 v[16]) {
 }
 
 constexpr int kLanes = 16;
+constexpr int kVectorRegisters = 32;
 
-// bf16 pair dot products for the linear kernel: lane i of a PairVec holds the pair
-// (w[2i], w[2i + 1]); vdot_pairs adds w[2i] * x.even + w[2i + 1] * x.odd to lane i.
-using PairVec = __m512bh;
-using InputPair = __m512bh;
-inline PairVec vload_pairs(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
-inline InputPair vbroadcast_pair(uint32_t bits) { return reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(bits))); }
-inline Vec16 vdot_pairs(Vec16 acc, PairVec w, InputPair x) { return _mm512_dpbf16_ps(acc, w, x); }
+// Lane t: dot(q, k_rows[t]) over 16 * NC elements, for 16 key rows; bf16 widened to fp32
+// (the AVX512_BF16 tier overloads this for bf16 below).
+template <int NC, class T>
+inline Vec16 qk_tile(const T* q, const T* const* k_rows) {
+  Vec16 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = vzero();
+  for (int c = 0; c < NC; ++c) {
+    Vec16 qc = vload(q + 16 * c);
+    for (int t = 0; t < 16; ++t) acc[t] = vfma(qc, vload(k_rows[t] + 16 * c), acc[t]);
+  }
+  return vsum_transpose(acc);
+}
+
+#ifdef CONTBATCH_AVX512_BF16
+
+// 6 rows x 64 columns per linear tile (linear_kernel.h): 24 accumulators, 4 weight vectors
+// and a broadcast input pair fit the 32 vector registers, each weight load feeding 6 dot products.
+constexpr int kLinearTileRows = 6;
+constexpr int kLinearTileVectors = 4;
+
+// bf16 pair dot products for the linear kernel: lane i of a loaded pair row holds the pair
+// (w[2i], w[2i + 1]); vdpbf16ps adds w[2i] * x.even + w[2i + 1] * x.odd to lane i.
+using StagedPair = uint32_t;  // the pair's bits, broadcast as they are
+inline StagedPair stage_pair(uint32_t bits) { return bits; }
+
+// acc[m][v] += the pair row w's columns 16v.. times row m's pair x[m], by vdpbf16ps.
+template <int MR, int NV>
+inline void accumulate_pair_row(Vec16 (&acc)[MR][NV], const uint16_t* w, const StagedPair* x) {
+  __m512bh weights[NV];
+  for (int v = 0; v < NV; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * kLanes * v));
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh input = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x[m])));
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], weights[v], input);
+  }
+}
 
 // Query rows for qk_tile and accumulator rows for accumulate_pv_pairs: fp32 as they are,
 // bf16 zero-padded to a multiple of 32 elements (whole bf16 pair chunks).
@@ -87,18 +123,6 @@ constexpr int query_row_len() {
 template <class T, int NC>
 constexpr int acc_row_len() {
   return query_row_len<T, NC>();
-}
-
-// Lane t: dot(q, k_rows[t]) over 16 * NC elements, for 16 key rows.
-template <int NC>
-inline Vec16 qk_tile(const float* q, const float* const* k_rows) {
-  Vec16 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = vzero();
-  for (int c = 0; c < NC; ++c) {
-    Vec16 qc = vload(q + 16 * c);
-    for (int t = 0; t < 16; ++t) acc[t] = vfma(qc, vload(k_rows[t] + 16 * c), acc[t]);
-  }
-  return vsum_transpose(acc);
 }
 
 // bf16 pairs multiplied exactly and accumulated in fp32 by vdpbf16ps.
@@ -183,3 +207,22 @@ inline void unpermute_pairs(float* acc) {
     vstore(acc + 32 * j + 16, _mm512_permutex2var_ps(lo, second, hi));
   }
 }
+
+#else  // AVX-512 without AVX512_BF16
+
+// 6 rows x 64 columns per linear tile: 24 accumulators, 4 widened weight vectors and a
+// broadcast input fit the 32 vector registers.
+constexpr int kLinearTileRows = 6;
+constexpr int kLinearTileVectors = 4;
+
+// The even (odd) elements of 16 bf16 pairs, widened: a 16-bit shift (a mask) of each pair.
+inline Vec16 vload_even(const uint16_t* pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(pairs), 16));
+}
+inline Vec16 vload_odd(const uint16_t* pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pairs), _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+#include "simd_bf16_emulated.h"
+
+#endif  // CONTBATCH_AVX512_BF16

@@ -1,6 +1,6 @@
 // Portable 16-lane fp32 vector: plain loops the compiler vectorises for the baseline ISA.
-// Same functions as simd_avx512.h; included only by kernels_generic.cpp, inside an
-// anonymous namespace.
+// Same functions as simd_avx2.h and simd_avx512.h; included only by kernels_generic.cpp,
+// inside an anonymous namespace.
 #pragma once
 
 struct Vec16 {
@@ -101,41 +101,25 @@ inline Vec16 vexp2(Vec16 x) {
 
 constexpr int kLanes = 16;
 
-// bf16 pair dot products for the linear kernel, in vdpbf16ps's order: the odd products
-// are added first, then the even ones (products of bf16 are exact in fp32).
-struct PairVec {
-  float even[16], odd[16];
-};
-struct InputPair {
-  float even, odd;
-};
-inline PairVec vload_pairs(const uint16_t* p) {
-  PairVec r;
-  for (int i = 0; i < 16; ++i) {
-    r.even[i] = bf16_to_float(p[2 * i]);
-    r.odd[i] = bf16_to_float(p[2 * i + 1]);
-  }
+// Vec16s that fit the vector registers: this tier is plain C++, so a nominal figure.
+constexpr int kVectorRegisters = 32;
+
+// 6 rows x 64 columns per linear tile (linear_kernel.h).
+constexpr int kLinearTileRows = 6;
+constexpr int kLinearTileVectors = 4;
+
+inline Vec16 vload_even(const uint16_t* pairs) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_float(pairs[2 * i]);
   return r;
 }
-inline InputPair vbroadcast_pair(uint32_t bits) {
-  return {bf16_to_float(uint16_t(bits & 0xFFFF)), bf16_to_float(uint16_t(bits >> 16))};
-}
-inline Vec16 vdot_pairs(Vec16 acc, const PairVec& w, InputPair x) {
-  for (int i = 0; i < 16; ++i) {
-    acc.v[i] += w.odd[i] * x.odd;
-    acc.v[i] += w.even[i] * x.even;
-  }
-  return acc;
+inline Vec16 vload_odd(const uint16_t* pairs) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_float(pairs[2 * i + 1]);
+  return r;
 }
 
-template <class T, int NC>
-constexpr int query_row_len() {
-  return NC * 16;
-}
-template <class T, int NC>
-constexpr int acc_row_len() {
-  return NC * 16;
-}
+#include "simd_bf16_emulated.h"
 
 template <int NC, class T>
 inline Vec16 qk_tile(const T* q, const T* const* k_rows) {

@@ -1,19 +1,37 @@
 """Random paged KV caches and varlen batches for the op tests (layout: contbatch/ops/reference.py)."""
 
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
+
+from contbatch import ops
 
 # Tolerances against the reference. fp32: both accumulate in fp32, so only summation order
 # differs. bf16: inputs are the same bf16 values and both accumulate in fp32, so outputs
 # differ by at most about one bf16 rounding (2^-8 relative); the fp32 tests are the tight ones.
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
-# "auto" is AVX-512 where the CPU has it; "generic" is the portable kernel.
-CPU_ISAS = ("auto", "generic")
+# Every ISA tier of the CPU kernels this CPU and build can run (generic, avx2, avx512,
+# avx512_bf16: whichever are here); hypothesis tests draw from these.
+SUPPORTED_ISAS = tuple(ops.supported_cpu_isas()) or ("generic",)
+
+
+def isa_params() -> list:
+    """Every tier as a pytest parameter; those this CPU or build lacks are skipped, saying so."""
+    return [
+        pytest.param(isa, marks=pytest.mark.skipif(isa not in SUPPORTED_ISAS,
+                                                   reason=f"this CPU or build cannot run the {isa} kernels"))
+        for isa in ops.CPU_ISAS
+    ]
+
+
+def device_params() -> list:
+    """"cpu", and "cuda" when torch sees a GPU (else skipped, saying so): the first machine
+    with a GPU runs the CUDA kernels against the same references."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device: the CUDA kernels are untested here"))]
 
 
 def require_native() -> None:
@@ -25,18 +43,9 @@ def require_native() -> None:
                     allow_module_level=True)
 
 
-@contextmanager
 def cpu_isa(isa: str):
-    """Runs the block with CONTBATCH_CPU_ISA=isa (read by the extension on every call)."""
-    old = os.environ.get("CONTBATCH_CPU_ISA")
-    os.environ["CONTBATCH_CPU_ISA"] = isa
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["CONTBATCH_CPU_ISA"]
-        else:
-            os.environ["CONTBATCH_CPU_ISA"] = old
+    """Runs the block on the CPU kernels of tier ``isa``."""
+    return ops.use_cpu_isa(isa)
 
 
 @contextmanager
@@ -57,6 +66,9 @@ class PagedBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries -1
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+    def to(self, device: str) -> "PagedBatch":
+        return PagedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     def attention_args(self) -> tuple:
         return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 
 from contbatch.ops import reference
-from tests.ops.paged_batch import require_native
+from tests.ops.paged_batch import device_params, require_native
 
 require_native()
 
@@ -105,6 +105,27 @@ def test_copy_blocks_rejects_bad_mapping(pairs, message):
     caches = [torch.zeros(4, 1, 8, 64)]
     with pytest.raises(ValueError, match=message):
         torch.ops.contbatch.copy_blocks(caches, [torch.zeros(4, 1, 8, 64)], torch.tensor(pairs))
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_ops_on_device(device, dtype):
+    """reshape_and_cache then copy_blocks on each device's kernels (CUDA: csrc/cuda/cache.cu)
+    against the reference on the CPU: every byte equal."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (10, 2, 16, 64)
+    key_cache, value_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    key, value = (torch.randn(20, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(10 * 16, generator=gen)[:20].long()
+    slots[3] = -1
+    mapping = torch.tensor([[1, 7], [4, 2]])
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    reference.copy_blocks([expected_k], [expected_v], mapping)
+    k, v = key_cache.to(device), value_cache.to(device)
+    torch.ops.contbatch.reshape_and_cache(key.to(device), value.to(device), k, v, slots.to(device))
+    torch.ops.contbatch.copy_blocks([k], [v], mapping)  # the engine's mapping stays on the CPU
+    assert torch.equal(k.cpu(), expected_k) and torch.equal(v.cpu(), expected_v)
 
 
 def test_ops_registered_for_cpu():

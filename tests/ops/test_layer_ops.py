@@ -1,5 +1,5 @@
 """The fused layer ops and argmax_rows (csrc/cpu/layers*.cpp) against their PyTorch references, on random
-shapes (sizes with and without a 16-lane tail), both dtypes and both ISA builds.
+shapes (sizes with and without a 16-lane tail), both dtypes and every ISA tier this CPU runs.
 
 Tolerances: fp32 2e-6 relative (only the order of the sum of squares and exp's last bit
 differ); bf16 one bf16 rounding step (2^-8 relative) on a small share of elements, since a
@@ -11,12 +11,11 @@ import torch
 from hypothesis import given, settings
 
 from contbatch.ops import reference
-from tests.ops.paged_batch import cpu_isa, require_native
+from tests.ops.paged_batch import cpu_isa, isa_params, require_native
 
 require_native()
 
 DTYPES = [torch.float32, torch.bfloat16]
-ISAS = ["auto", "generic"]
 SIZES = st.sampled_from([16, 64, 80, 100, 576, 1536, 7])
 native = torch.ops.contbatch
 
@@ -41,8 +40,9 @@ def assert_close_to_reference(ours: torch.Tensor, expected: torch.Tensor) -> Non
     assert off.float().mean() <= 0.02, f"{int(off.sum())} of {off.numel()} elements differ from the reference"
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), rows=st.integers(1, 40), n=SIZES,
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), n=SIZES,
        seed=st.integers(0, 2**31 - 1))
 def test_rms_norm_matches_reference(dtype, isa, rows, n, seed):
     g = torch.Generator().manual_seed(seed)
@@ -54,8 +54,9 @@ def test_rms_norm_matches_reference(dtype, isa, rows, n, seed):
     assert_close_to_reference(out, expected)
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), rows=st.integers(1, 40), n=SIZES,
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), n=SIZES,
        strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_fused_add_rms_norm_matches_reference(dtype, isa, rows, n, strided, seed):
     g = torch.Generator().manual_seed(seed)
@@ -70,8 +71,9 @@ def test_fused_add_rms_norm_matches_reference(dtype, isa, rows, n, strided, seed
     assert_close_to_reference(x, x_ref)
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), rows=st.integers(1, 40), d=SIZES,
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), d=SIZES,
        seed=st.integers(0, 2**31 - 1))
 def test_silu_and_mul_matches_reference(dtype, isa, rows, d, seed):
     g = torch.Generator().manual_seed(seed)
@@ -84,8 +86,9 @@ def test_silu_and_mul_matches_reference(dtype, isa, rows, d, seed):
     assert_close_to_reference(out, expected)
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), tokens=st.integers(1, 24),
+@given(dtype=st.sampled_from(DTYPES), tokens=st.integers(1, 24),
        heads=st.integers(1, 9), kv_heads=st.integers(1, 3), head_size=st.sampled_from([64, 80, 96, 128, 32]),
        seed=st.integers(0, 2**31 - 1))
 def test_rotary_embedding_matches_reference(dtype, isa, tokens, heads, kv_heads, head_size, seed):
@@ -108,8 +111,9 @@ def test_rotary_embedding_matches_reference(dtype, isa, tokens, heads, kv_heads,
     assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], untouched), "v must not be touched"
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), isa=st.sampled_from(ISAS), rows=st.integers(1, 12),
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 12),
        n=st.sampled_from([1, 7, 16, 33, 100, 1536, 49152]), ties=st.integers(0, 3),
        special=st.sampled_from(["none", "nan", "all_-inf", "+inf"]), seed=st.integers(0, 2**31 - 1))
 def test_argmax_rows_matches_torch_max(dtype, isa, rows, n, ties, special, seed):

@@ -1,7 +1,7 @@
 """The bf16 linear op (csrc/cpu/linear*.{cpp,h}) against its PyTorch reference on random
 shapes: row counts around the 6-row register tile and the 48-row task, output counts
-around the 64-column panel, odd and even input counts, with and without bias, both ISA
-builds. The two sum in a different order, so they agree to one bf16 rounding step."""
+around the 64-column panel, odd and even input counts, with and without bias, every ISA
+tier this CPU runs. The two sum in a different order, so they agree to one bf16 rounding step."""
 
 import hypothesis.strategies as st
 import pytest
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 
 from contbatch.ops import reference
 from contbatch.ops.panel_layout import PANEL_COLUMNS, pack_panels, unpack_panels
-from tests.ops.paged_batch import cpu_isa, require_native
+from tests.ops.paged_batch import cpu_isa, isa_params, require_native
 
 require_native()
 
@@ -39,9 +39,9 @@ def assert_within_one_rounding(ours: torch.Tensor, expected: torch.Tensor, in_fe
     torch.testing.assert_close(ours.float(), expected.float(), rtol=2**-7, atol=1e-5 * in_features)
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @settings(max_examples=60, deadline=None)
 @given(
-    isa=st.sampled_from(["auto", "generic"]),
     rows=st.integers(1, 60),
     out_features=st.integers(1, 200),
     in_features=st.integers(1, 100),
@@ -56,19 +56,21 @@ def test_bf16_linear_matches_reference(isa, rows, out_features, in_features, wit
     assert_within_one_rounding(ours, expected, in_features)
 
 
-@pytest.mark.parametrize("rows", [1, 6, 11, 49, 101])
-def test_bf16_linear_on_model_shapes(rows):
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("rows", [1, 4, 6, 11, 49, 101])
+def test_bf16_linear_on_model_shapes(rows, isa):
     g = torch.Generator().manual_seed(rows)
     x, weight = _random((rows, 576), g), _random((960, 576), g, 0.05)
-    ours, expected = _run_both(x, weight, None, "auto")
+    ours, expected = _run_both(x, weight, None, isa)
     assert_within_one_rounding(ours, expected, 576)
 
 
-def test_bf16_linear_reads_strided_rows():
+@pytest.mark.parametrize("isa", isa_params())
+def test_bf16_linear_reads_strided_rows(isa):
     g = torch.Generator().manual_seed(0)
     wide, weight = _random((9, 100), g), _random((70, 64), g)
     x = wide[:, 10:74]  # rows 100 elements apart
-    ours, expected = _run_both(x, weight, None, "auto")
+    ours, expected = _run_both(x, weight, None, isa)
     assert_within_one_rounding(ours, expected, 64)
 
 

@@ -6,14 +6,23 @@ import torch
 from hypothesis import given, settings
 
 from contbatch.ops import reference
-from tests.ops.paged_batch import CPU_ISAS, TOLERANCES, cpu_isa, num_threads, random_batch, require_native
+from tests.ops.paged_batch import (
+    SUPPORTED_ISAS,
+    TOLERANCES,
+    cpu_isa,
+    device_params,
+    isa_params,
+    num_threads,
+    random_batch,
+    require_native,
+)
 
 require_native()
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def run_both(batch, scale: float, sliding_window: int, isa: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def run_both(batch, scale: float, sliding_window: int, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(compiled, reference) outputs; the compiled one starts NaN-filled so unwritten rows fail."""
     expected = torch.zeros_like(batch.query)
     reference.paged_attention(expected, *batch.attention_args(), scale, sliding_window)
@@ -40,7 +49,7 @@ def batches(draw):
         query_lens.append(q_len)
     window = draw(st.sampled_from([-1, 0, draw(st.integers(1, 2 * block_size))]))
     seed = draw(st.integers(0, 2**31 - 1))
-    isa = draw(st.sampled_from(CPU_ISAS))
+    isa = draw(st.sampled_from(SUPPORTED_ISAS))
     return dict(dtype=dtype, block_size=block_size, head_size=head_size, num_kv_heads=num_kv_heads,
                 num_heads=group * num_kv_heads, seq_lens=seq_lens, query_lens=query_lens, window=window,
                 seed=seed, isa=isa)
@@ -57,7 +66,7 @@ def test_matches_reference_on_random_batches(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("isa", isa_params())
 def test_smollm_decode_batch(dtype, isa):
     """The hot path: SmolLM2-135M's 9 query / 3 kv heads of size 64, ragged contexts."""
     gen = torch.Generator().manual_seed(0)
@@ -68,7 +77,7 @@ def test_smollm_decode_batch(dtype, isa):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("query_len, window", [(1, -1), (1, 300), (5, -1), (5, 300), (40, 100)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(4, 1, 16), (10, 5, 64)])
 def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads, block_size):
@@ -82,7 +91,27 @@ def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [-1, 40])
+def test_device_kernel_matches_reference(device, dtype, window):
+    """Decode, prefill, a chunk and an idle sequence in one batch, on each device's kernel
+    (CUDA: csrc/cuda/attention.cu) against the reference computed on the CPU in fp32."""
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("fp16 is refused on the CPU")
+    gen = torch.Generator().manual_seed(4)
+    batch = random_batch(gen, [300, 45, 90, 17], [1, 45, 30, 0], 8, 2, 64, 16, dtype)
+    expected = torch.zeros_like(batch.query, dtype=torch.float32)
+    as_fp32 = [t.float() if t.is_floating_point() else t for t in batch.attention_args()]
+    reference.paged_attention(expected, *as_fp32, 0.125, window)
+    on_device = batch.to(device)
+    out = torch.full_like(on_device.query, float("nan"))
+    torch.ops.contbatch.paged_attention(out, *on_device.attention_args(), 0.125, window)
+    tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(out.cpu().float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("isa", isa_params())
 def test_single_thread_matches(isa):
     gen = torch.Generator().manual_seed(1)
     batch = random_batch(gen, [2000, 30], [1, 30], 8, 2, 128, 16, torch.float32)

@@ -1,0 +1,51 @@
+// One x86 ISA tier of the CPU kernels, compiled through a function-level target pragma so
+// that the rest of the extension keeps the baseline ISA and one build runs on any x86-64
+// CPU; cpu_isa.cpp calls a tier only on a CPU that has its ISA. Included by one
+// kernels_<tier>.cpp, which defines first:
+//   CONTBATCH_TIER_TARGET  the GCC target string ("avx2,fma,f16c")
+//   CONTBATCH_TIER_SIMD    the tier's simd header ("simd_avx2.h")
+//   CONTBATCH_TIER_NAME    the tier's name as CONTBATCH_CPU_ISA spells it ("avx2")
+//   CONTBATCH_TIER_GETTER  the kernel_set.h getter it defines (avx2_kernel_set)
+// Everything compiled for the tier has internal linkage, so no tier's code can stand in
+// for an inline function that other translation units share. Only GCC on x86-64 builds
+// the tiers; elsewhere the getter returns nullptr and the generic kernels run.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernel_set.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+
+#define CONTBATCH_PRAGMA(x) _Pragma(#x)
+#define CONTBATCH_TARGET(isa) CONTBATCH_PRAGMA(GCC target(isa))
+
+#pragma GCC push_options
+CONTBATCH_TARGET(CONTBATCH_TIER_TARGET)
+// GCC 12 flags the intrinsics' own _mm*_undefined_* temporaries as (maybe-)uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+namespace contbatch::cpu {
+namespace {
+#include CONTBATCH_TIER_SIMD
+#include "kernel_tier.h"
+}  // namespace
+}  // namespace contbatch::cpu
+#pragma GCC pop_options
+
+namespace contbatch::cpu {
+const KernelSet* CONTBATCH_TIER_GETTER() {
+  static const KernelSet set{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};
+  return &set;
+}
+}  // namespace contbatch::cpu
+
+#else
+
+namespace contbatch::cpu {
+const KernelSet* CONTBATCH_TIER_GETTER() { return nullptr; }
+}  // namespace contbatch::cpu
+
+#endif
