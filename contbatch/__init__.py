@@ -2,8 +2,10 @@
 
 from contbatch.jobs import run_job
 from contbatch.llm import LLM
-from contbatch.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from contbatch.outputs import CompletionOutput, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "run_job"]
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationInterrupted", "run_job",
+]
 __version__ = "0.1.0"

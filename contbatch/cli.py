@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import re
 import sys
 import types
@@ -23,10 +24,13 @@ _EXAMPLES = """examples:
   contbatch generate --input prompts.jsonl --output results.jsonl --temperature 0 --max-tokens 64
   contbatch generate -i questions.txt -o answers.jsonl --model ./my-model --dtype float32
   contbatch generate -i chats.jsonl -o out.jsonl --messages-field messages --on-error stop
+  contbatch generate -i questions.txt -o - | jq -r '.outputs[0].text'
 
-Rerunning the same command resumes: ids already in the output are skipped. A JSONL
-line may override sampling with top-level keys named like the flags below
-("max_tokens": 8) or a "sampling_params" object ({"temperature": 0.7}).
+Rerunning the same command resumes: ids already in the output are skipped, and a result
+whose input record changed since (an inserted or edited line, another input file) is
+refused unless --redo-mismatched. A JSONL line may override sampling with top-level keys
+named like the flags below ("max_tokens": 8) or a "sampling_params" object
+({"temperature": 0.7}).
 Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
 130 interrupted (Ctrl-C; rerun to resume)."""
 
@@ -54,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a completion for every record of an input file. Results are appended to "
         "the output as each request finishes (completion order), one JSON object per line: "
         '{"id", "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}], '
-        '"prompt_tokens", "completion_tokens"}.',
+        '"prompt_tokens", "completion_tokens", "fingerprint"} (the fingerprint identifies the record\'s '
+        "prompt and per-line sampling, so a resume can tell when the input changed).",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -70,7 +75,9 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     job.add_argument("-i", "--input", required=True,
                      help="input file: JSONL (one object per line) or text (one prompt per line)")
     job.add_argument("-o", "--output", required=True,
-                     help="results file (JSONL); OUTPUT.meta.json and OUTPUT.errors.jsonl go beside it")
+                     help="results file (JSONL); OUTPUT.meta.json and OUTPUT.errors.jsonl go beside it. "
+                     "'-': standard output, with no resume and no file beside it (bad records only go to stderr); "
+                     "other paths that are not regular files (pipes, devices, directories) are refused")
     job.add_argument("-m", "--model",
                      help="Hugging Face model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
     job.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
@@ -89,7 +96,11 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                      "whole input first and refuse to start if any is bad (default: skip)")
     job.add_argument("--force", action="store_true",
                      help="resume even if the existing output was made with other settings "
-                     "(model, dtype, sampling, fields)")
+                     "(model, dtype, sampling, fields) or has results without a fingerprint (older contbatch)")
+    job.add_argument("--redo-mismatched", action="store_true",
+                     help="generate again the records whose existing result was made from another prompt or other "
+                     "per-line sampling than the input has now under the same id (or has no fingerprint), "
+                     "replacing those results; without it such a resume is refused")
     job.add_argument("--fsync-every", type=int, default=1000, metavar="N",
                      help="fsync the output every N records (default: 1000)")
     job.add_argument("--fsync-interval", type=float, default=5.0, metavar="SECONDS",
@@ -192,11 +203,16 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             id_field=args.id_field,
             on_error=args.on_error,
             force=args.force,
+            redo_mismatched=args.redo_mismatched,
             llm_kwargs={key: value for key, value in engine.items() if value is not None},
             use_tqdm=sys.stderr.isatty() if args.progress is None else args.progress,
             fsync_every=args.fsync_every,
             fsync_interval=args.fsync_interval,
         )
+    except BrokenPipeError:
+        _silence_stdout()
+        print("contbatch: error: standard output was closed (broken pipe); stopped", file=sys.stderr)
+        return EXIT_ERROR
     except (OSError, TypeError, ValueError) as exc:
         print(f"contbatch: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -205,3 +221,11 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(summary.line(), file=sys.stderr)
     return {"done": 0, "interrupted": EXIT_INTERRUPTED}.get(summary.status, EXIT_ERROR)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so that the interpreter's final flush
+    does not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from contbatch.config import EngineConfig, resolve_block_size, resolve_device, resolve_dtype
 from contbatch.engine.llm_engine import LLMEngine
-from contbatch.outputs import RequestMetrics, RequestOutput
+from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable
 from contbatch.sampling_params import SamplingParams
 
@@ -121,14 +121,25 @@ class LLM:
                 "sampling_params"), or any iterable of these. A list is
                 validated whole before any work (one ValueError lists every bad
                 index); other iterables are read lazily as the engine has room, and
-                a bad item there gets a RequestOutput with ``error`` set instead.
+                a bad item there gets a RequestOutput with ``error`` set instead. In
+                any form, a request that fails as it starts ends alone, with ``error`` set.
             sampling_params: one SamplingParams for all prompts, or a list with one
                 per prompt. Default: SamplingParams().
             use_tqdm: show a progress bar with input and output tokens per second.
+
+        Raises:
+            GenerationInterrupted: an exception was raised part-way (e.g. by a prompts
+                generator): its ``outputs`` are the requests that finished before it, in
+                input order, and the original exception is its ``__cause__``.
         """
-        outputs = list(self.iter_generate(prompts, sampling_params, use_tqdm))
-        outputs.sort(key=lambda output: int(output.request_id))
-        return outputs
+        outputs = self.iter_generate(prompts, sampling_params, use_tqdm)  # invalid input raises here, as is
+        finished: list[RequestOutput] = []
+        try:
+            for output in outputs:
+                finished.append(output)
+        except Exception as exc:
+            raise GenerationInterrupted(_in_input_order(finished), exc) from exc
+        return _in_input_order(finished)
 
     def iter_generate(
         self,
@@ -192,9 +203,11 @@ class LLM:
         params = prompt.params or params
         if params is None:
             return _error_output(position, item, "sampling_params list is shorter than the prompts")
-        self.engine.add_request(position, prompt.text, prompt.token_ids, params)
+        try:
+            self.engine.add_request(position, prompt.text, prompt.token_ids, params)
+        except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
+            return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None
-
 
 
 def _params_iterator(
@@ -221,6 +234,10 @@ def _params_iterator(
                 raise ValueError(f"sampling_params[{index}]: {exc}") from exc
         return iter(sampling_params)
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+def _in_input_order(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    return sorted(outputs, key=lambda output: int(output.request_id))
 
 
 def _error_output(request_id: int, item: object, message: str) -> RequestOutput:

@@ -1,4 +1,5 @@
-"""What generate() returns: RequestOutput with one CompletionOutput per sample."""
+"""What generate() returns: RequestOutput with one CompletionOutput per sample, or, when it stops
+part-way, GenerationInterrupted carrying the outputs finished so far."""
 
 from dataclasses import dataclass
 
@@ -65,3 +66,19 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+
+
+class GenerationInterrupted(Exception):
+    """``LLM.generate()`` stopped part-way because an exception was raised while it ran (by the
+    prompts iterable, or by the engine).
+
+    ``outputs`` holds the RequestOutputs that finished before that, in input order; requests
+    still running then were aborted and are not in it. The original exception is ``__cause__``.
+    """
+
+    def __init__(self, outputs: list[RequestOutput], cause: Exception) -> None:
+        super().__init__(
+            f"generation stopped after {len(outputs)} finished request(s) (kept in .outputs): "
+            f"{type(cause).__name__}: {cause}"
+        )
+        self.outputs = outputs

@@ -1,10 +1,15 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_INT64 = 2**63 - 1
+"""Largest value of the integer fields that reach a tensor or a C long (top_k, token ids, counts)."""
+MAX_SEED = 2**64 - 1
+"""Largest seed torch.Generator.manual_seed takes."""
+MAX_FLOAT32 = 3.4028234663852886e38
+"""Largest temperature: it is applied as a float32."""
 
 
 @dataclass
@@ -20,7 +25,8 @@ class SamplingParams:
         min_tokens: EOS and stop ids are suppressed until this many tokens exist.
         stop_token_ids: extra token ids that end the request (kept in the output).
         ignore_eos: keep generating past EOS (benchmarks, fixed-length outputs).
-        seed: per-request seed: the same seed gives the same tokens whatever else runs in the batch.
+        seed: per-request seed in [0, 2**64 - 1]: the same seed gives the same tokens whatever
+            else runs in the batch.
             With n > 1, sample i uses a seed derived from (seed, i).
         n: number of completions for the prompt; the prompt is prefilled once and its KV
             blocks are shared between the samples (copy-on-write).
@@ -63,20 +69,29 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _check_number("temperature", self.temperature, lambda v: math.isfinite(v) and v >= 0, ">= 0 and finite")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and full range: TypeError/ValueError naming the field, the
+        value and what is allowed. Runs at construction; the engine runs it again before serving
+        the params, so a field changed afterwards is caught before any work too. Also turns
+        ``stop`` and ``stop_token_ids`` into lists."""
+        _check_number("temperature", self.temperature, lambda v: 0 <= v <= MAX_FLOAT32, "in [0, 3.4e38] (float32)")
         _check_number("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
-        _check_int("top_k", self.top_k, lambda v: v == -1 or v >= 0, "-1 (all tokens) or >= 0")
+        _check_int(
+            "top_k", self.top_k, lambda v: v == -1 or 0 <= v <= MAX_INT64, "-1 (all tokens) or in [0, 2**63 - 1]"
+        )
         _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check_int("max_tokens", self.max_tokens, lambda v: v >= 1, ">= 1")
+        _check_int("max_tokens", self.max_tokens, lambda v: 1 <= v <= MAX_INT64, ">= 1 and <= 2**63 - 1")
         _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
-            _check_int("seed", self.seed, lambda v: v >= 0, ">= 0 or None")
+            _check_int("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, "None or in [0, 2**64 - 1]")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, lambda v: v >= 0, "a list of token ids >= 0")
-        _check_int("n", self.n, lambda v: v >= 1, ">= 1")
+            _check_int("stop_token_ids", token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")
+        _check_int("n", self.n, lambda v: 1 <= v <= MAX_INT64, ">= 1 and <= 2**63 - 1")
         self.stop = _stop_strings(self.stop)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -123,7 +138,7 @@ def _check_structured_outputs(value: object) -> None:
 def _check_number(name: str, value: object, ok, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"SamplingParams.{name} must be a number {allowed}, got {value!r}")
-    if not ok(float(value)):
+    if not ok(value):
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
 
 

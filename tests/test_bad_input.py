@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
-from contbatch import LLM, SamplingParams
+import contbatch.engine.request
+from contbatch import LLM, GenerationInterrupted, SamplingParams
+from tests.conftest import TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,90 @@ def test_bad_prompt_in_lazy_stream_fails_alone(llm):
     assert [o.error is None for o in outputs] == [True, False, False, True]
     assert "no tokens" in outputs[1].error and "max_model_len" in outputs[2].error
     assert len(outputs[0].outputs[0].token_ids) == 3 and len(outputs[3].outputs[0].token_ids) == 3
+
+
+def _out_of_range_seed() -> SamplingParams:
+    """Params whose seed was set past torch's range after construction (construction refuses it)."""
+    params = SamplingParams(temperature=0.8, max_tokens=3, seed=1)
+    params.seed = 2**70
+    return params
+
+
+def test_out_of_range_seed_in_a_list_is_refused_before_any_work(llm):
+    steps_before = llm.engine.num_steps
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]: SamplingParams\.seed .*2\*\*64 - 1"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=3), _out_of_range_seed()], use_tqdm=False)
+    prompts = [[5, 6], {"prompt_token_ids": [7, 8], "sampling_params": _out_of_range_seed()}]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: SamplingParams\.seed"):
+        llm.generate(prompts, use_tqdm=False)
+    assert llm.engine.num_steps == steps_before, "work started despite invalid input"
+
+
+def test_out_of_range_seed_in_a_lazy_stream_fails_alone(llm):
+    prompts = iter([[5, 6], {"prompt_token_ids": [7, 8], "sampling_params": _out_of_range_seed()}, [9, 10]])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert [o.error is None for o in outputs] == [True, False, True]
+    assert "SamplingParams.seed" in outputs[1].error and "2**64 - 1" in outputs[1].error
+    assert [len(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [3, 3]
+
+
+def test_out_of_range_seed_in_iter_generate(llm):
+    with pytest.raises(ValueError, match=r"sampling_params\[0\]: SamplingParams\.seed"):
+        llm.iter_generate([[5, 6]], [_out_of_range_seed()])  # a list: refused at the call, before iterating
+    prompts = iter([[5, 6], {"prompt_token_ids": [7, 8], "sampling_params": _out_of_range_seed()}])
+    outputs = {o.request_id: o for o in llm.iter_generate(prompts, SamplingParams(temperature=0, max_tokens=2))}
+    assert outputs["0"].error is None and len(outputs["0"].outputs[0].token_ids) == 2
+    assert "SamplingParams.seed" in outputs["1"].error
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    params = SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[100_000])  # suppressed until 2 tokens
+    with pytest.raises(ValueError, match=rf"SamplingParams\.stop_token_ids must be token ids in \[0, {TINY_VOCAB}\)"):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+
+
+def test_the_largest_seed_runs_and_repeats(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=2**64 - 1, n=2)
+    first, again = (llm.generate([[5, 6, 7]], params, use_tqdm=False)[0] for _ in range(2))
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_request_that_fails_as_it_starts_ends_alone(llm, monkeypatch, lazy):
+    real = contbatch.engine.request._make_generator
+
+    def make_generator(seed, sample_index):
+        if seed == 13:
+            raise RuntimeError("no generator for 13")
+        return real(seed, sample_index)
+
+    monkeypatch.setattr(contbatch.engine.request, "_make_generator", make_generator)
+    prompts = [[5, 6], [7, 8], [9, 10]]
+    params = [SamplingParams(temperature=0.8, max_tokens=3, seed=seed) for seed in (1, 13, 2)]
+    outputs = llm.generate(iter(prompts) if lazy else prompts, params, use_tqdm=False)
+    assert [o.error is None for o in outputs] == [True, False, True]
+    assert "no generator for 13" in outputs[1].error
+    assert [len(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [3, 3]
+
+
+def test_a_raising_generator_keeps_the_finished_outputs(llm):
+    count = llm.engine.config.max_num_seqs + 8  # more than one admission round, so some finish first
+
+    def prompts():
+        for index in range(count):
+            yield [5 + index % 100, 7]
+        raise OSError("the input went away")
+
+    with pytest.raises(GenerationInterrupted) as stopped:
+        llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert isinstance(stopped.value.__cause__, OSError) and "the input went away" in str(stopped.value)
+    outputs = stopped.value.outputs
+    assert outputs, "the finished outputs were dropped"
+    positions = [int(o.request_id) for o in outputs]
+    assert positions == sorted(set(positions)), "not in input order"
+    for position, output in zip(positions, outputs):
+        assert output.error is None and output.prompt_token_ids == [5 + position % 100, 7]
+        assert len(output.outputs[0].token_ids) == 1
 
 
 @pytest.mark.parametrize(

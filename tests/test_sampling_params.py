@@ -35,3 +35,34 @@ def test_invalid_values_raise_naming_the_field(field, value, error):
 def test_valid_values_are_kept():
     params = SamplingParams(temperature=0, top_p=0.5, top_k=5, min_p=0.1, max_tokens=7, min_tokens=3, seed=4)
     assert params.greedy and params.top_k == 5 and params.min_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "bad", "bound"),
+    [
+        ("seed", 2**64, 2**64, "2**64 - 1"),
+        ("seed", 2**70, 2**70, "2**64 - 1"),
+        ("top_k", 2**63, 2**63, "2**63 - 1"),
+        ("max_tokens", 2**63, 2**63, "2**63 - 1"),
+        ("n", 2**63, 2**63, "2**63 - 1"),
+        ("stop_token_ids", [5, 2**63], 2**63, "2**63 - 1"),
+        ("temperature", 1e39, 1e39, "3.4e38"),
+    ],
+)
+def test_values_past_what_torch_takes_are_refused_naming_the_range(field, value, bad, bound):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    message = str(info.value)
+    assert f"SamplingParams.{field}" in message and bound in message and repr(bad) in message
+
+
+def test_the_edges_of_the_ranges_are_accepted():
+    params = SamplingParams(seed=2**64 - 1, top_k=2**63 - 1, max_tokens=2**63 - 1, stop_token_ids=[2**63 - 1])
+    assert params.seed == 2**64 - 1 and params.stop_token_ids == [2**63 - 1]
+
+
+def test_validate_catches_a_field_changed_after_construction():
+    params = SamplingParams(seed=1)
+    params.seed = 2**70
+    with pytest.raises(ValueError, match=r"SamplingParams\.seed"):
+        params.validate()

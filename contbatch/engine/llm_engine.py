@@ -48,7 +48,12 @@ class LLMEngine:
         self.num_steps = 0
 
     def check_params(self, params: SamplingParams) -> None:
-        """ValueError if this engine cannot serve ``params`` (checked before any work)."""
+        """ValueError/TypeError if ``params`` are invalid or this engine cannot serve them (checked before any work)."""
+        params.validate()
+        vocab_size = self.model_config.vocab_size
+        outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
+        if outside:
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids in [0, {vocab_size}), got {outside}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if self.tokenizer is None and (params.stop or params.structured_outputs is not None):

@@ -4,8 +4,9 @@
 command line. See docs/bulk_jobs.md.
 """
 
+from contbatch.jobs.fingerprints import InputMismatch
 from contbatch.jobs.output import OutputError
 from contbatch.jobs.runner import JobError, JobSummary, run_job
 from contbatch.jobs.settings import SettingsMismatch
 
-__all__ = ["run_job", "JobSummary", "JobError", "OutputError", "SettingsMismatch"]
+__all__ = ["run_job", "JobSummary", "JobError", "OutputError", "SettingsMismatch", "InputMismatch"]

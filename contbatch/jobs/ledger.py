@@ -14,8 +14,8 @@ class Claim(Enum):
 
 
 class IdLedger:
-    def __init__(self, done: set | None = None) -> None:
-        self.done = done if done is not None else set()
+    def __init__(self, done: dict | None = None) -> None:
+        self.done = done if done is not None else {}  # ids written by earlier runs (the keys)
         self.seen: set = set()
 
     def claim(self, record_id: str | int) -> Claim:
@@ -23,6 +23,6 @@ class IdLedger:
             return Claim.DUPLICATE
         self.seen.add(record_id)
         if record_id in self.done:
-            self.done.discard(record_id)  # each id lives in one set only
+            del self.done[record_id]  # each id lives in one place only
             return Claim.DONE
         return Claim.NEW

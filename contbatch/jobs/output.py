@@ -1,27 +1,55 @@
-"""The results file (append-only JSONL, one line per finished record) and the errors file.
+"""The results file (append-only JSONL, one line per finished record), standard output
+instead of it (``-``), and the errors file.
 
 Crash safety: every record is one ``os.write`` of a whole line, so it reaches the OS
 page cache at once and survives the process being killed; ``fsync`` runs every
 ``fsync_every`` records or ``fsync_interval`` seconds (checked at each write) and on
 close, which bounds what a power loss can take. A last line without its newline (the
 process died mid-write) or that does not parse is cut off when the file is reopened.
+Results whose records changed are removed by rewriting the file atomically (``drop``).
 """
 
 import fcntl
 import json
 import logging
 import os
+import stat
+import sys
 import time
 from pathlib import Path
+
+from contbatch.jobs import fingerprints
 
 logger = logging.getLogger("contbatch.jobs")
 
 HANG_AT_ENV = "CONTBATCH_JOBS_TEST_HANG_AT"
 """Test hook: hang half-way through writing this run's Nth record, leaving a torn line."""
+STDOUT = "-"
+"""The output path that means standard output."""
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 class OutputError(ValueError):
-    """The results file cannot be used: locked by another job or corrupt before its last line."""
+    """The results file cannot be used: not a regular file, locked by another job, or corrupt before its last line."""
+
+
+def check_output_path(path: Path) -> None:
+    """OutputError unless ``path`` is a regular file (or none yet) in a directory that can hold its side files."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = stat.S_IFREG
+    use_instead = "give a file path, or '-' to write the results to standard output (no resume)"
+    if not stat.S_ISREG(mode):
+        kind = next((name for is_kind, name in _KINDS if is_kind(mode)), "not a regular file")
+        raise OutputError(
+            f"output {str(path)!r} is {kind}: results go to a regular file that a rerun reads back to resume; "
+            + use_instead
+        )
+    directory = path.parent.resolve()
+    if directory == Path("/dev") or directory.is_relative_to("/proc"):
+        raise OutputError(f"output {str(path)!r} is in {directory}, which cannot hold a results file; " + use_instead)
 
 
 class ResultWriter:
@@ -40,7 +68,7 @@ class ResultWriter:
         if self.created:
             fsync_directory(path.parent)
         try:
-            self.done_ids, self.num_existing = self._scan_and_repair()
+            self.done = self._scan_and_repair()  # id -> fingerprint (None if the result has none)
         except BaseException:
             os.close(self.fd)
             raise
@@ -50,7 +78,7 @@ class ResultWriter:
         self._hang_at = int(os.environ.get(HANG_AT_ENV, "0"))
 
     def write(self, record: dict) -> None:
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+        data = encode_line(record)
         if self.num_written + 1 == self._hang_at:
             _write_all(self.fd, data[: len(data) // 2])
             time.sleep(3600)
@@ -75,9 +103,34 @@ class ResultWriter:
         os.close(self.fd)  # also releases the lock
         self.fd = -1
 
-    def _scan_and_repair(self) -> tuple[set, int]:
-        """Ids of the complete records; cuts off a torn or unparsable last line."""
-        ids: set = set()
+    def drop(self, ids: set) -> None:
+        """Remove the results of ``ids``: a copy without them is written, fsynced and locked,
+        then renamed over the file, so a kill at any moment leaves the old file or the new one,
+        each whole, and no other job can take the file in between."""
+        temporary = self.path.with_name(self.path.name + ".redo.tmp")
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, stat.S_IMODE(os.fstat(self.fd).st_mode))
+            with open(self.path, "rb") as source:
+                for raw in source:
+                    if json.loads(raw)["id"] not in ids:
+                        _write_all(fd, raw)
+            os.fsync(fd)
+            os.replace(temporary, self.path)
+        except BaseException:
+            os.close(fd)
+            temporary.unlink(missing_ok=True)
+            raise
+        fsync_directory(self.path.parent)
+        os.close(self.fd)
+        self.fd = fd
+        for record_id in ids:
+            self.done.pop(record_id, None)
+
+    def _scan_and_repair(self) -> dict:
+        """{id: fingerprint} of the complete records; cuts off a torn or unparsable last line."""
+        ids: dict = {}
         good_end = 0  # byte offset just past the last good line
         bad_line = None  # (line number, reason) of an unparsable line, fatal unless it is the last
         with open(self.path, "rb") as source:
@@ -91,7 +144,8 @@ class ResultWriter:
                     bad_line = (number, "no newline")
                     continue
                 try:
-                    ids.add(json.loads(raw)["id"])
+                    result = json.loads(raw)
+                    ids[result["id"]] = fingerprints.decode(result)
                 except (ValueError, KeyError, TypeError) as exc:
                     bad_line = (number, f"{type(exc).__name__}: {exc}")
                     continue
@@ -104,23 +158,52 @@ class ResultWriter:
             )
             os.ftruncate(self.fd, good_end)
             os.fsync(self.fd)
-        return ids, len(ids)
+        return ids
+
+
+class StdoutWriter:
+    """Results to standard output as they finish (``-``): nothing to resume, no file beside it."""
+
+    def __init__(self) -> None:
+        self.path = Path(STDOUT)
+        self.done: dict = {}
+        self.num_written = 0
+
+    def write(self, record: dict) -> None:
+        sys.stdout.flush()  # whatever was printed before stays before
+        data = encode_line(record)
+        binary = getattr(sys.stdout, "buffer", None)
+        if binary is None:  # e.g. a notebook's stream
+            sys.stdout.write(data.decode("utf-8"))
+            sys.stdout.flush()
+        else:
+            binary.write(data)
+            binary.flush()
+        self.num_written += 1
+
+    def close(self, remove_if_unused: bool = False) -> None:
+        """Nothing to do: every line was flushed as it was written."""
 
 
 class ErrorLog:
     """``<output>.errors.jsonl``: one {"line", "id", "error"} object per bad record of the latest run.
 
     Recreated by every run (bad records are found again, since they are never in the
-    results), and only created when there is an error.
+    results), and only created when there is an error. With ``path`` None (results to
+    standard output) it only counts them.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
         self.path = path
         self.count = 0
         self._file = None
-        path.unlink(missing_ok=True)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def write(self, line: int, record_id: str | int | None, error: str) -> None:
+        if self.path is None:
+            self.count += 1
+            return
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps({"line": line, "id": record_id, "error": error}, ensure_ascii=False) + "\n")
@@ -141,6 +224,10 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def encode_line(record: dict) -> bytes:
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "replace")
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -13,6 +13,13 @@ from contbatch.jobs.reader import RawRecord
 from contbatch.sampling_params import SamplingParams
 
 OVERRIDE_KEY = "sampling_params"
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_overrides(data: dict) -> tuple[dict, object]:
+    """A record's own sampling, as given: its top-level keys named like a SamplingParams
+    field, and its ``"sampling_params"`` value (None when absent)."""
+    return {key: value for key, value in data.items() if key in SAMPLING_FIELDS}, data.get(OVERRIDE_KEY)
 
 
 class RecordBuilder:
@@ -33,7 +40,6 @@ class RecordBuilder:
         self.prompt_field = prompt_field
         self.messages_field = messages_field
         self.tokenizer = tokenizer
-        self.field_names = {f.name for f in dataclasses.fields(SamplingParams)}
 
     def build(self, record: RawRecord) -> dict:
         if isinstance(record.data, str):
@@ -75,15 +81,14 @@ class RecordBuilder:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _params(self, data: dict) -> SamplingParams | None:
-        overrides = {key: value for key, value in data.items() if key in self.field_names}
-        nested = data.get(OVERRIDE_KEY)
+        overrides, nested = sampling_overrides(data)
         if nested is not None:
             if not isinstance(nested, dict):
                 raise TypeError(f"field {OVERRIDE_KEY!r} must be an object, got {type(nested).__name__}")
-            unknown = sorted(set(nested) - self.field_names)
+            unknown = sorted(set(nested) - SAMPLING_FIELDS)
             if unknown:
                 raise ValueError(
-                    f"unknown sampling parameter(s) {unknown} in {OVERRIDE_KEY!r}; known: {sorted(self.field_names)}"
+                    f"unknown sampling parameter(s) {unknown} in {OVERRIDE_KEY!r}; known: {sorted(SAMPLING_FIELDS)}"
                 )
             overrides.update(nested)
         if not overrides:

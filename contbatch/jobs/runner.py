@@ -12,11 +12,19 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from contbatch.jobs import fingerprints
 from contbatch.jobs.ledger import Claim, IdLedger
-from contbatch.jobs.output import ErrorLog, ResultWriter
+from contbatch.jobs.output import STDOUT, ErrorLog, ResultWriter, StdoutWriter, check_output_path
 from contbatch.jobs.reader import BadRecord, RawRecord, detect_format, read_lines
 from contbatch.jobs.records import RecordBuilder
-from contbatch.jobs.settings import check_settings, job_settings, model_fingerprint, write_meta
+from contbatch.jobs.settings import (
+    check_settings,
+    input_settings,
+    job_settings,
+    model_fingerprint,
+    require_settings_file,
+    write_meta,
+)
 from contbatch.llm import LLM
 from contbatch.outputs import CompletionOutput, RequestOutput
 from contbatch.sampling_params import SamplingParams
@@ -38,23 +46,26 @@ class JobSummary:
     (a bad record under on_error="stop" found during generation)."""
 
     status: str
-    output: Path
+    output: Path  # Path("-"): standard output
     written: int  # records this run added to the output
     already_done: int  # input records skipped because an earlier run wrote them
     errors: int
-    errors_path: Path
+    errors_path: Path | None  # None with standard output: bad records are only logged
     prompt_tokens: int
     completion_tokens: int
     generation_s: float
     wall_s: float
+    redone: int = 0  # results removed because their input record changed (redo_mismatched), then written again
 
     def line(self) -> str:
-        errors = f", {self.errors} bad records in {self.errors_path}" if self.errors else ""
+        where = "standard output" if str(self.output) == STDOUT else self.output
+        redone = f", {self.redone} redone because their records changed" if self.redone else ""
+        errors = f", {self.errors} bad records in {self.errors_path or 'the log above'}" if self.errors else ""
         rate = self.completion_tokens / self.generation_s if self.generation_s > 0 else 0.0
         hint = _RESUME_HINTS.get(self.status, "")
         return (
-            f"contbatch: {self.status}: {self.written} records written to {self.output} "
-            f"({self.already_done} already there{errors}); {self.prompt_tokens} prompt + "
+            f"contbatch: {self.status}: {self.written} records written to {where} "
+            f"({self.already_done} already there{redone}{errors}); {self.prompt_tokens} prompt + "
             f"{self.completion_tokens} generated tokens, {rate:.0f} generated tok/s, "
             f"{self.generation_s:.1f} s generating, {self.wall_s:.1f} s wall{hint}"
         )
@@ -79,6 +90,7 @@ def run_job(
     id_field: str = "id",
     on_error: str = "skip",
     force: bool = False,
+    redo_mismatched: bool = False,
     llm_kwargs: dict | None = None,
     use_tqdm: bool = False,
     fsync_every: int = 1000,
@@ -88,16 +100,22 @@ def run_job(
 
     Rerunning the same call after a crash or Ctrl-C resumes: records whose id is in
     the output already are skipped, a torn last line is cut off, and different
-    settings are refused (SettingsMismatch) unless ``force``. Results are appended
-    as each request finishes, in completion order, one object per line::
+    settings are refused (SettingsMismatch) unless ``force``. Before the model loads,
+    each result's fingerprint (its record's prompt and own sampling overrides) is
+    compared with the input record that has its id now: a difference (an inserted or
+    edited line, another input file) is refused (InputMismatch) unless
+    ``redo_mismatched``. Results are appended as each request finishes, in completion
+    order, one object per line::
 
         {"id": ..., "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}],
-         "prompt_tokens": n, "completion_tokens": n}
+         "prompt_tokens": n, "completion_tokens": n, "fingerprint": {"prompt": hex, "sampling": hex}}
 
     Args:
         input_path: JSONL (one object per line) or text (one prompt per line) file.
         output_path: results file; ``<output>.meta.json`` (settings) and
-            ``<output>.errors.jsonl`` (bad records) are written beside it.
+            ``<output>.errors.jsonl`` (bad records) are written beside it. ``"-"``:
+            standard output, with no resume and no file beside it (bad records are
+            only logged). Anything else that is not a regular file is refused (OutputError).
         model: model directory; default: the demo model. Needed with ``llm`` too
             (it identifies the model in the settings file).
         llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
@@ -112,7 +130,11 @@ def run_job(
         on_error: "skip" (default): bad records go to the errors file with a warning
             and the rest run. "stop": the whole input is validated first and any bad
             record refuses the job (JobError) before generation starts.
-        force: resume even if the stored settings differ.
+        force: resume even if the stored settings differ, or the results have no
+            fingerprint (written by an older contbatch; they are kept unchecked).
+        redo_mismatched: generate again the records whose results do not match them
+            (or have no fingerprint); their old results are removed from the output
+            (atomically rewritten), so it keeps exactly one result per id.
         use_tqdm: show a progress bar.
         fsync_every, fsync_interval: fsync the output every this many records or seconds.
 
@@ -131,26 +153,31 @@ def run_job(
 
         model = demo_model_dir()
     model, params = Path(model), sampling_params or SamplingParams()
-    writer = ResultWriter(output_path, fsync_every, fsync_interval)
+    to_file = str(output_path) != STDOUT
+    writer = ResultWriter(output_path, fsync_every, fsync_interval) if to_file else StdoutWriter()
+    meta_path = output_path.with_name(output_path.name + ".meta.json")
+    prompt = _prompt_settings(input_format, id_field, prompt_field, messages_field)
+    prompt_key = messages_field or prompt_field
     try:
+        lines = read_lines(input_path, input_format, id_field)
+        known = input_settings(params, prompt)
+        redo = _check_resume(writer, meta_path, known, lines, prompt_key, redo_mismatched, force)
         llm = llm or LLM(model, **(llm_kwargs or {}))
-        prompt = {"format": input_format}
-        if input_format == "jsonl":
-            prompt["id_field"] = id_field
-            prompt.update({"messages_field": messages_field} if messages_field else {"prompt_field": prompt_field})
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt)
-        meta_path = output_path.with_name(output_path.name + ".meta.json")
-        rewrite_meta = check_settings(meta_path, settings, writer.num_existing > 0, force)
+        rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
-        job = _Job(input_path, input_format, id_field, builder, writer, on_error)
+        errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
+        job = _Job(input_path, input_format, id_field, prompt_key, builder, writer, errors, on_error)
         try:
             if on_error == "stop":
                 job.validate_all()
             if rewrite_meta:
                 write_meta(meta_path, settings, model)
+            if redo:
+                writer.drop(redo)
             status, generation_s = job.generate(llm, params, use_tqdm)
         finally:
-            job.errors.close()
+            errors.close()
     except BaseException:
         writer.close(remove_if_unused=True)  # a refused job leaves no empty results file behind
         raise
@@ -160,13 +187,39 @@ def run_job(
         output=output_path,
         written=writer.num_written,
         already_done=job.already_done,
-        errors=job.errors.count,
-        errors_path=job.errors.path,
+        errors=errors.count,
+        errors_path=errors.path,
         prompt_tokens=job.prompt_tokens,
         completion_tokens=job.completion_tokens,
         generation_s=generation_s,
         wall_s=time.perf_counter() - started,
+        redone=len(redo),
     )
+
+
+def _check_resume(
+    writer: ResultWriter | StdoutWriter, meta_path: Path, known_settings: dict, lines: Iterator, prompt_key: str,
+    redo_mismatched: bool, force: bool,
+) -> set:
+    """Before the model loads: the ids whose results must be generated again; SettingsMismatch or
+    InputMismatch when the existing results cannot be used as they are. The settings known
+    now are checked first: a changed setting explains mismatching records better."""
+    if not writer.done:
+        return set()
+    require_settings_file(meta_path, True, force)
+    check_settings(meta_path, known_settings, True, force, partial=True)
+    with closing(lines):
+        check = fingerprints.check_results(lines, writer.done, prompt_key)
+    return check.to_redo(writer.path, redo_mismatched, force)
+
+
+def _prompt_settings(input_format: str, id_field: str, prompt_field: str, messages_field: str | None) -> dict:
+    """How prompts are read, for the settings file."""
+    prompt = {"format": input_format}
+    if input_format == "jsonl":
+        prompt["id_field"] = id_field
+        prompt.update({"messages_field": messages_field} if messages_field else {"prompt_field": prompt_field})
+    return prompt
 
 
 def _check_arguments(
@@ -187,8 +240,10 @@ def _check_arguments(
         raise ValueError(f"fsync_every must be >= 1 and fsync_interval >= 0, got {fsync_every} and {fsync_interval}")
     if not input_path.is_file():
         raise JobError(f"input file {str(input_path)!r} does not exist")
-    if input_path.resolve() == output_path.resolve():
-        raise JobError("the output file must not be the input file")
+    if str(output_path) != STDOUT:
+        if input_path.resolve() == output_path.resolve():
+            raise JobError("the output file must not be the input file")
+        check_output_path(output_path)
     input_format = detect_format(input_path, input_format)
     if input_format == "text" and messages_field is not None:
         raise ValueError("messages_field needs JSONL input; text input has one prompt per line")
@@ -201,17 +256,20 @@ class _Job:
         input_path: Path,
         input_format: str,
         id_field: str,
+        prompt_key: str,
         builder: RecordBuilder,
-        writer: ResultWriter,
+        writer: ResultWriter | StdoutWriter,
+        errors: ErrorLog,
         on_error: str,
     ) -> None:
         self.input_path = input_path
         self.input_format = input_format
         self.id_field = id_field
+        self.prompt_key = prompt_key  # the JSONL field whose value is fingerprinted
         self.builder = builder
         self.writer = writer
+        self.errors = errors
         self.on_error = on_error
-        self.errors = ErrorLog(writer.path.with_name(writer.path.name + ".errors.jsonl"))
         self.already_done = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -223,20 +281,21 @@ class _Job:
         for item in self._prompts(IdLedger(), lambda: False):
             if isinstance(item, BadRecord):
                 self.errors.write(item.line, item.id, item.error)
-                if len(listed) < MAX_LOGGED_ERRORS:
+                if self.errors.path is None or len(listed) < MAX_LOGGED_ERRORS:  # no file: list them all
                     listed.append(f"line {item.line}: {item.error}")
         if not listed:
             return
         more = f"\n  ... and {self.errors.count - len(listed)} more" if self.errors.count > len(listed) else ""
+        where = f"; all listed in {self.errors.path}" if self.errors.path else ""
         raise JobError(
-            f"{self.errors.count} bad record(s) in {self.input_path}, nothing was generated (on_error='stop'; "
-            f"all listed in {self.errors.path}):\n  " + "\n  ".join(listed) + more
+            f"{self.errors.count} bad record(s) in {self.input_path}, nothing was generated (on_error='stop'{where}):"
+            "\n  " + "\n  ".join(listed) + more
         )
 
     def generate(self, llm: LLM, params: SamplingParams, use_tqdm: bool) -> tuple[str, float]:
         stop = _StopSignal()
-        ledger = IdLedger(self.writer.done_ids)
-        inflight: dict[int, RawRecord] = {}  # iter_generate position -> record; only unfinished ones
+        ledger = IdLedger(self.writer.done)
+        inflight: dict[int, tuple[RawRecord, bytes]] = {}  # iter_generate position -> (record, fingerprint)
         positions = itertools.count()
 
         def feed() -> Iterator[dict]:
@@ -245,7 +304,7 @@ class _Job:
                     self._bad(item, stop)
                     continue
                 record, prompt = item
-                inflight[next(positions)] = record
+                inflight[next(positions)] = record, fingerprints.fingerprint(record, self.prompt_key)
                 yield prompt
 
         started = time.perf_counter()
@@ -254,7 +313,7 @@ class _Job:
         with stop.installed(), closing(outputs):
             try:
                 for output in outputs:
-                    self._finish(inflight.pop(int(output.request_id)), output, stop)
+                    self._finish(*inflight.pop(int(output.request_id)), output, stop)
             except KeyboardInterrupt:
                 aborted = True
         if stop.failed:
@@ -285,37 +344,44 @@ class _Job:
                     except (TypeError, ValueError) as exc:
                         yield BadRecord(item.line, item.id, str(exc))
 
-    def _finish(self, record: RawRecord, output: RequestOutput, stop: "_StopSignal") -> None:
+    def _finish(self, record: RawRecord, fingerprint: bytes, output: RequestOutput, stop: "_StopSignal") -> None:
         if output.error is not None:
             self._bad(BadRecord(record.line, record.id, output.error), stop)
             return
         with stop.writing():
-            self.writer.write(result_record(record.id, output))
+            self.writer.write(result_record(record.id, output, fingerprint))
         self.prompt_tokens += len(output.prompt_token_ids)
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def _bad(self, item: BadRecord, stop: "_StopSignal") -> None:
         with stop.writing():
             self.errors.write(item.line, item.id, item.error)
-        if self.errors.count <= MAX_LOGGED_ERRORS:
-            action = "skipped" if self.on_error == "skip" else "stopping"
-            logger.warning(
-                "%s line %d: %s (%s; listed in %s)", self.input_path, item.line, item.error, action, self.errors.path
-            )
-        elif self.errors.count == MAX_LOGGED_ERRORS + 1:
-            logger.warning("more bad records: see %s", self.errors.path)
+        self._log_bad(item)
         if self.on_error == "stop":
             stop.requested = stop.failed = True
 
+    def _log_bad(self, item: BadRecord) -> None:
+        """The first MAX_LOGGED_ERRORS bad records are logged, the rest are only in the errors
+        file; without one (standard output) every one is logged."""
+        path = self.errors.path
+        if path is not None and self.errors.count > MAX_LOGGED_ERRORS:
+            if self.errors.count == MAX_LOGGED_ERRORS + 1:
+                logger.warning("more bad records: see %s", path)
+            return
+        action = "skipped" if self.on_error == "skip" else "stopping"
+        listed = f"; listed in {path}" if path is not None else ""
+        logger.warning("%s line %d: %s (%s%s)", self.input_path, item.line, item.error, action, listed)
 
-def result_record(record_id: str | int, output: RequestOutput) -> dict:
-    """The results-file object for one finished request."""
+
+def result_record(record_id: str | int, output: RequestOutput, fingerprint: bytes) -> dict:
+    """The results-file object for one finished request; ``fingerprint`` identifies its input record."""
     completions = [_completion(c) for c in output.outputs]
     return {
         "id": record_id,
         "outputs": completions,
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(c["completion_tokens"] for c in completions),
+        fingerprints.KEY: fingerprints.encode(fingerprint),
     }
 
 

@@ -48,22 +48,33 @@ def model_fingerprint(model_dir: Path) -> str:
 def job_settings(model_fp: str, dtype: str, max_model_len: int | None, params: SamplingParams, prompt: dict) -> dict:
     """Flat {"section.key": JSON value} settings that must match between runs of one job."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
-    settings.update({f"sampling.{k}": v for k, v in _jsonable(dataclasses.asdict(params)).items()})
+    settings.update(input_settings(params, prompt))
+    return settings
+
+
+def input_settings(params: SamplingParams, prompt: dict) -> dict:
+    """The settings known before the model loads: the default SamplingParams and how prompts are read."""
+    settings = {f"sampling.{k}": v for k, v in _jsonable(dataclasses.asdict(params)).items()}
     settings.update({f"prompt.{k}": v for k, v in prompt.items()})
     return settings
 
 
-def check_settings(meta_path: Path, settings: dict, has_records: bool, force: bool) -> bool:
-    """Whether the meta file must be (re)written; raises SettingsMismatch unless ``force``."""
+def require_settings_file(meta_path: Path, has_records: bool, force: bool) -> None:
+    """SettingsMismatch if the output has results but no settings file to check a resume against, unless ``force``."""
+    if has_records and not force and not meta_path.exists():
+        raise SettingsMismatch(
+            f"the output already has results but no settings file {meta_path.name}, so a resume cannot be "
+            "checked; pass --force (force=True) to add to it anyway, or choose another output"
+        )
+
+
+def check_settings(meta_path: Path, settings: dict, has_records: bool, force: bool, partial: bool = False) -> bool:
+    """Whether the meta file must be (re)written; raises SettingsMismatch unless ``force``.
+    ``partial``: ``settings`` are only some of them (input_settings); only those are compared."""
     if not meta_path.exists():
-        if has_records and not force:
-            raise SettingsMismatch(
-                f"the output already has results but no settings file {meta_path.name}, so a resume cannot be "
-                "checked; pass --force (force=True) to add to it anyway, or choose another output"
-            )
         return True
     stored = json.loads(meta_path.read_text(encoding="utf-8"))
-    differences = list(_differences(stored.get("settings", {}), settings))
+    differences = list(_differences(stored.get("settings", {}), settings, partial))
     if not differences:
         return False
     if not has_records:
@@ -95,10 +106,10 @@ def write_meta(meta_path: Path, settings: dict, model_path: Path) -> None:
     fsync_directory(meta_path.parent)
 
 
-def _differences(stored: dict, current: dict):
+def _differences(stored: dict, current: dict, partial: bool):
     # A SamplingParams field added since the results were written counts as its default.
     defaults = {f"sampling.{k}": v for k, v in _jsonable(dataclasses.asdict(SamplingParams())).items()}
-    for key in sorted(stored.keys() | current.keys()):
+    for key in sorted(current.keys() if partial else stored.keys() | current.keys()):
         old = stored.get(key, defaults.get(key, _ABSENT))
         new = current.get(key, defaults.get(key, _ABSENT))
         if old != new:

@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from contbatch import LLM
+from contbatch import LLM, SamplingParams
+from contbatch.jobs import run_job
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,27 @@ def chat_model_dir(tmp_path_factory, smollm_dir) -> Path:
 @pytest.fixture(scope="session")
 def chat_llm(chat_model_dir) -> LLM:
     return LLM(chat_model_dir, dtype="float32")
+
+
+@pytest.fixture
+def run(tmp_path, chat_model_dir, chat_llm):
+    """run(source, output="out.jsonl", **kwargs): run_job into tmp_path/output with the tiny model, greedy."""
+
+    def run_into(source, output="out.jsonl", **kwargs):
+        kwargs = dict(model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY) | kwargs
+        return run_job(source, tmp_path / output, **kwargs)
+
+    return run_into
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if a job loads a model: for refusals that must come first (give the job llm=None)."""
+
+    def load(*args, **kwargs):
+        pytest.fail("the job loaded the model before refusing")
+
+    monkeypatch.setattr("contbatch.jobs.runner.LLM", load)
 
 
 @pytest.fixture(autouse=True)

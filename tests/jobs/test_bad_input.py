@@ -5,10 +5,8 @@ import json
 import pytest
 
 from contbatch import SamplingParams
-from contbatch.jobs import JobError, run_job
+from contbatch.jobs import JobError
 from tests.jobs.helpers import read_jsonl, write_jsonl
-
-GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 BAD_LINES = [
     ('{"id": "a", "prompt": "fine"}', None),
@@ -29,17 +27,6 @@ BAD_LINES = [
 @pytest.fixture
 def bad_input(tmp_path):
     return write_jsonl(tmp_path / "in.jsonl", [line for line, _ in BAD_LINES])
-
-
-@pytest.fixture
-def run(tmp_path, chat_model_dir, chat_llm):
-    """run(source, **kwargs): run_job into tmp_path/out.jsonl with the tiny model, greedy."""
-
-    def run_into_out(source, **kwargs):
-        kwargs = dict(model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY) | kwargs
-        return run_job(source, tmp_path / "out.jsonl", **kwargs)
-
-    return run_into_out
 
 
 def test_skip_lists_every_bad_record_with_its_line_and_runs_the_rest(bad_input, run, tmp_path, caplog):

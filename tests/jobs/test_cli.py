@@ -27,6 +27,7 @@ def test_help_documents_every_flag_with_examples(capsys):
     assert exited.value.code == 0
     text = capsys.readouterr().out
     assert "examples:" in text and "contbatch generate --input prompts.jsonl" in text
+    assert "'-': standard output" in " ".join(text.split()) and "--redo-mismatched" in text
     for flag in EXPLICIT_SAMPLING_FLAGS:
         assert flag in text
     for action in _generate_parser()._actions:
@@ -75,6 +76,17 @@ def test_job_errors_exit_1_with_the_reason(tmp_path, chat_model_dir, capsys):
     err = capsys.readouterr().err
     assert "contbatch: error: the existing results were made with other settings" in err and "--force" in err
     assert _cli(tmp_path, chat_model_dir, "--max-tokens", "4", "--force") == 0
+
+
+def test_changed_records_are_refused_then_redone_with_the_flag(tmp_path, chat_model_dir, capsys):
+    assert _cli(tmp_path, chat_model_dir) == 0
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"edited prompt {i}"} for i in range(3)])
+    assert _cli(tmp_path, chat_model_dir) == 1
+    err = capsys.readouterr().err
+    assert "contbatch: error:" in err and "first: id 0 at input line 1: the prompt differs" in err
+    assert _cli(tmp_path, chat_model_dir, "--redo-mismatched") == 0
+    assert "3 records written" in capsys.readouterr().err
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [0, 1, 2]
 
 
 def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypatch):

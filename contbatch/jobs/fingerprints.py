@@ -1,0 +1,124 @@
+"""Record fingerprints: which input record each result was made from, so that a resume
+cannot keep a result under an id whose record has changed.
+
+Each result carries ``"fingerprint": {"prompt": hex, "sampling": hex}``: 8 bytes of sha256
+over the record's prompt as given (the text line, or the JSON value of the prompt or
+messages field) and 8 over its own sampling overrides as given. The job-wide settings
+(model, default SamplingParams, fields) are in the settings file instead (settings.py):
+``force`` may change those without turning every result into a mismatch.
+"""
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contbatch.jobs.reader import BadRecord, RawRecord
+from contbatch.jobs.records import sampling_overrides
+
+logger = logging.getLogger("contbatch.jobs")
+
+KEY = "fingerprint"
+_DIGEST_BYTES = 8
+_COMPARED = object()
+"""Replaces a result's fingerprint in the done map once its input record has been compared."""
+
+
+class InputMismatch(ValueError):
+    """Existing results do not match the input records that now have their ids, or cannot be checked."""
+
+
+def fingerprint(record: RawRecord, prompt_key: str) -> bytes:
+    """The digest of the record's prompt, then that of its own sampling overrides (16 bytes)."""
+    if isinstance(record.data, str):
+        return _digest(record.data) + _digest(None)
+    return _digest(record.data.get(prompt_key)) + _digest(sampling_overrides(record.data))
+
+
+def encode(value: bytes) -> dict:
+    """The JSON form stored in a result line."""
+    return {"prompt": value[:_DIGEST_BYTES].hex(), "sampling": value[_DIGEST_BYTES:].hex()}
+
+
+def decode(result: dict) -> bytes | None:
+    """A result line's fingerprint, or None if it has none (written by an older contbatch);
+    ValueError/KeyError/TypeError if it is malformed."""
+    stored = result.get(KEY)
+    if stored is None:
+        return None
+    value = bytes.fromhex(stored["prompt"]) + bytes.fromhex(stored["sampling"])
+    if len(value) != 2 * _DIGEST_BYTES:
+        raise ValueError(f"a fingerprint has {2 * _DIGEST_BYTES} bytes, got {len(value)}")
+    return value
+
+
+@dataclass
+class ResumeCheck:
+    """What comparing the existing results with the input found."""
+
+    changed: set = field(default_factory=set)  # ids whose input record has another prompt or sampling now
+    unchecked: set = field(default_factory=set)  # ids of results without a fingerprint
+    first_changed: str = ""
+    not_in_input: int = 0
+
+    def to_redo(self, output: Path, redo_mismatched: bool, force: bool) -> set:
+        """The ids to generate again; InputMismatch when results differ (or cannot be checked)
+        and no flag says what to do with them."""
+        if self.not_in_input:
+            logger.warning("%s: %d result(s) have ids that are not in the input (kept)", output, self.not_in_input)
+        if redo_mismatched:
+            return self.changed | self.unchecked
+        if self.changed:
+            raise InputMismatch(
+                f"{output}: {len(self.changed)} existing result(s) do not match the input record with the same id "
+                f"(first: {self.first_changed}); a line was inserted or edited, or this output belongs to another "
+                "input file. Pass --redo-mismatched (redo_mismatched=True) to generate them again and replace "
+                "their results, or choose another output"
+            )
+        if self.unchecked and not force:
+            raise InputMismatch(
+                f"{output}: {len(self.unchecked)} existing result(s) have no fingerprint (written by an older "
+                "contbatch), so a resume cannot check that they match the input. Pass --redo-mismatched "
+                "(redo_mismatched=True) to generate them again, --force (force=True) to keep them unchecked, "
+                "or choose another output"
+            )
+        return set()
+
+
+def check_results(records: Iterable[RawRecord | BadRecord], done: dict, prompt_key: str) -> ResumeCheck:
+    """Compare each result in ``done`` (id -> fingerprint, None if it has none) with the first
+    input record that has its id. The compared values are replaced by a marker, which needs
+    no second set of ids (only the keys of ``done`` are used afterwards)."""
+    check = ResumeCheck()
+    for record in records:
+        stored = _COMPARED if isinstance(record, BadRecord) else done.get(record.id, _COMPARED)
+        if stored is _COMPARED:  # bad, not in the results, or an id compared already
+            continue
+        done[record.id] = _COMPARED
+        if stored is None:
+            check.unchecked.add(record.id)
+            continue
+        current = fingerprint(record, prompt_key)
+        if current != stored:
+            if not check.changed:
+                check.first_changed = _describe(record, stored, current)
+            check.changed.add(record.id)
+    check.not_in_input = sum(1 for value in done.values() if value is not _COMPARED)
+    return check
+
+
+def _describe(record: RawRecord, stored: bytes, current: bytes) -> str:
+    prompt, sampling = (stored[part] != current[part] for part in (slice(_DIGEST_BYTES), slice(_DIGEST_BYTES, None)))
+    what = {
+        (True, False): "the prompt differs",
+        (False, True): "the sampling settings differ",
+        (True, True): "the prompt and the sampling settings differ",
+    }[(prompt, sampling)]
+    return f"id {record.id!r} at input line {record.line}: {what}"
+
+
+def _digest(value: object) -> bytes:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("ascii")).digest()[:_DIGEST_BYTES]
