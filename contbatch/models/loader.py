@@ -5,10 +5,11 @@ empty in the target dtype, and each checkpoint tensor is copied straight into it
 parameter (or its slice of a fused one), so the full state dict never exists twice.
 """
 
+import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from contbatch.models.config import ModelConfig, load_model_config
@@ -31,8 +32,14 @@ _FUSED = {
 }
 
 
+logger = logging.getLogger(__name__)
+
+
 def read_config(model_dir: Path) -> ModelConfig:
     """The model's config, or ValueError naming the problem (missing, malformed, unsupported)."""
+    if model_dir.is_file():
+        raise ValueError(f"model {str(model_dir)!r} is a file; pass the model's directory (config.json, "
+                         "*.safetensors and tokenizer files)")
     if not model_dir.is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     return load_model_config(model_dir, tuple(ARCHITECTURES))
@@ -54,19 +61,36 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
 def _load_weights(model: nn.Module, config: ModelConfig, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    all_zero = True
     for file in files:
-        with safe_open(str(file), framework="pt") as checkpoint:
-            for name in checkpoint.keys():
-                target = _target_name(name)
-                if target is None or (config.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if target[0] not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {config.architecture}")
-                _copy_into(params[target[0]], target[1], checkpoint.get_tensor(name), config, name)
-                loaded.add(name)
+        try:
+            all_zero &= _load_file(file, params, config, loaded)
+        except SafetensorError as exc:
+            raise ValueError(f"weights file {str(file)!r} is incomplete or not a safetensors file ({exc}); "
+                             "download or convert it again") from None
     missing = [n for n in _expected_checkpoint_names(params, config) if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    if all_zero:
+        logger.warning("every weight in the checkpoint at %s is zero: its outputs will be meaningless "
+                       "(a placeholder file or a failed export?)", files[0].parent)
+
+
+def _load_file(file: Path, params: dict[str, torch.Tensor], config: ModelConfig, loaded: set[str]) -> bool:
+    """Copies one safetensors file's tensors into ``params``; True if they are all zero."""
+    all_zero = True
+    with safe_open(str(file), framework="pt") as checkpoint:
+        for name in checkpoint.keys():
+            target = _target_name(name)
+            if target is None or (config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if target[0] not in params:
+                raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in {config.architecture}")
+            tensor = checkpoint.get_tensor(name)
+            all_zero = all_zero and not bool(tensor.any())  # stops looking at the first nonzero tensor
+            _copy_into(params[target[0]], target[1], tensor, config, name)
+            loaded.add(name)
+    return all_zero
 
 
 def _target_name(checkpoint_name: str) -> tuple[str, int | None] | None:
