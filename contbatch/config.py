@@ -106,13 +106,16 @@ def _auto_dtype(device: torch.device) -> torch.dtype:
 
 
 def cpu_serves_bf16() -> bool:
-    """Whether bf16 is the faster CPU dtype: where contbatch's kernels run an AVX2 tier or
-    better, bf16 weights and KV cache halve the bytes every decode step reads, and the
-    matmuls run on vdpbf16ps (AVX512_BF16) or on fp32 FMAs after a 16-bit shift (measured in
-    docs/performance.md). Without the extension, only CPUs with native bf16 matmuls
-    (AVX512_BF16 or AMX, through oneDNN) are faster in bf16."""
-    if ops.cpu_isa() in ("avx2", "avx512", "avx512_bf16"):
-        return True
+    """Whether bf16 is the faster CPU dtype for batched generation. Measured on chat256
+    (docs/performance.md): bf16 wins where the kernels run the avx512_bf16 tier, whose
+    vdpbf16ps does twice an FMA's work (Zen 4: 578 against 276 output tok/s). Elsewhere bf16
+    still halves the bytes a decode step reads (1.3-1.7x faster steps with few requests
+    running), but fp32 matmuls are faster at the many-request steps that dominate a large
+    batch (Intel Emerald Rapids: fp32 346 against 316 tok/s for bf16; the AVX2 tier there:
+    238 against 202), so "auto" is fp32; pass dtype="bfloat16" for small batches. Without
+    the extension, CPUs with native bf16 matmuls (AVX512_BF16 or AMX, through oneDNN) take bf16."""
+    if ops.cpu_isa() is not None:
+        return ops.cpu_isa() == "avx512_bf16"
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _cpu_flags_have_bf16()
     except (AttributeError, RuntimeError):

@@ -33,9 +33,11 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                      const std::optional<at::Tensor>& bias);
 
 // The CPU kernels' ISA tier (csrc/cpu/cpu_isa.h): the one the ops run now, choosing one by
-// name ("auto", "generic", "avx2", "avx512", "avx512_bf16"), and those this CPU can run.
+// name ("auto", "generic", "avx2", "avx512", "avx512_bf16"), those this CPU can run, and
+// the one "auto" chooses.
 std::string cpu_kernel_isa();
 void set_cpu_isa(std::string isa);
 std::vector<std::string> supported_cpu_isas();
+std::string best_cpu_isa();
 
 }  // namespace contbatch

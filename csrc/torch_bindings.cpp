@@ -23,6 +23,7 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("cpu_kernel_isa() -> str", &contbatch::cpu_kernel_isa);
   m.def("set_cpu_isa(str isa) -> ()", &contbatch::set_cpu_isa);
   m.def("supported_cpu_isas() -> str[]", &contbatch::supported_cpu_isas);
+  m.def("best_cpu_isa() -> str", &contbatch::best_cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(contbatch, CPU, m) {

@@ -97,6 +97,12 @@ def supported_cpu_isas() -> list[str]:
     return [] if _native is None else list(_native.supported_cpu_isas())
 
 
+def best_cpu_isa() -> str | None:
+    """The tier "auto" chooses on this CPU (not always the last of supported_cpu_isas():
+    avx512_bf16 only where vdpbf16ps beats fp32 FMAs, see csrc/cpu/cpu_isa.cpp)."""
+    return None if _native is None else _native.best_cpu_isa()
+
+
 def set_cpu_isa(isa: str) -> None:
     """Runs the CPU kernels of tier ``isa`` ("auto": the best this CPU has) from now on.
     ValueError for a tier this CPU or build lacks."""
@@ -141,6 +147,7 @@ __all__ = [
     "CPU_ISAS",
     "cpu_isa",
     "supported_cpu_isas",
+    "best_cpu_isa",
     "set_cpu_isa",
     "use_cpu_isa",
     "reference",

@@ -19,6 +19,9 @@ const KernelSet& active_kernels();
 // "avx512_bf16". Raises ValueError for another name or a tier this CPU or build lacks.
 void set_cpu_isa(std::string_view name);
 
+// The tier "auto" chooses on this CPU.
+std::string best_cpu_isa();
+
 // The tiers this CPU and build can run, slowest first ("generic" is always there).
 std::vector<std::string> supported_cpu_isas();
 

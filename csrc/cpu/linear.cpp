@@ -17,6 +17,10 @@
 namespace contbatch {
 namespace {
 
+struct alignas(64) CacheLine {
+  char bytes[64];
+};
+
 // Rows per task. A panel's weights (64 columns x in_features) stay in L2 while a thread
 // runs its row blocks, and blocks of 48 rows split a few wide panels evenly over threads.
 constexpr int64_t kRowsPerTask = 48;
@@ -60,10 +64,11 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
   const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
   // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
-  const int64_t scratch_words = (cpu::linear_scratch_bytes(in_features) + 7) / 8;
+  const int64_t scratch_lines = (cpu::linear_scratch_bytes(in_features) + 63) / 64;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint64_t> scratch;  // the worker's staged inputs, kept across calls
-    if (static_cast<int64_t>(scratch.size()) < scratch_words) scratch.resize(scratch_words);
+    thread_local std::vector<CacheLine> scratch;  // the worker's staged inputs and widened panel
+    if (static_cast<int64_t>(scratch.size()) < scratch_lines) scratch.resize(scratch_lines);
+    scratch[0] = CacheLine{};  // header: no panel widened yet in this call
     for (int64_t task = begin; task < end; ++task) {
       const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
       const int64_t column0 = panel * cpu::kPanelColumns;

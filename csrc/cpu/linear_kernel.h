@@ -1,17 +1,36 @@
 // The bf16 linear kernel over panel-packed weights (layout: linear_kernel_api.h), written
 // against the tier's accumulate_pair_row (vdpbf16ps on AVX512_BF16 in simd_avx512.h, bf16
 // widened to fp32 elsewhere in simd_bf16_emulated.h) and included after layers_kernel.h
-// (load1 / store1). Products of bf16 pairs are exact and sums are fp32; the result is
-// rounded to bf16 once, after the bias.
+// (load1 / store1). Products of bf16 are exact and sums are fp32; the result is rounded to
+// bf16 once, after the bias.
 //
-// A row tile of kLinearTileRows rows first stages its inputs pair by pair (stage_pair: the
-// raw bits, or the pair widened to fp32), then runs over the panel's columns in tiles of
-// kLinearTileVectors vectors: each weight load feeds kLinearTileRows dot products, and
-// the accumulators, weight vectors and a broadcast input pair fit the tier's registers.
+// A row tile of kLinearTileRows rows first stages its inputs (stage_pair: the raw bits of
+// each input pair, or the pair widened to fp32), then runs over the panel's columns in tiles
+// of kLinearTileVectors vectors: each weight load feeds kLinearTileRows dot products, and
+// the accumulators, weight vectors and a broadcast input fit the tier's registers.
+//
+// Tiers without bf16 dot products (kWidensPanels) widen the whole panel to fp32 first when a
+// call has kWidenFromRows rows or more: every weight is then widened once per call instead
+// of once per row tile, and the inner loop is plain fp32 loads, broadcasts and FMAs.
 
 static_assert(kLinearTileRows <= kMaxLinearTileRows && sizeof(StagedPair) <= 8, "linear scratch too small");
 constexpr int kTileColumns = kLinearTileVectors * kLanes;
 static_assert(kPanelColumns % kTileColumns == 0, "column tiles must divide a panel");
+constexpr int64_t kWidenFromRows = 2 * kLinearTileRows;
+
+template <int N>
+struct TileRows {
+  static constexpr int size = N;
+};
+
+// f(TileRows<rows>{}) for 1 <= rows <= MR: the row count as a compile-time constant.
+template <int MR, class F>
+inline void with_tile_rows(int64_t rows, const F& f) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return f(TileRows<MR>{});
+    with_tile_rows<MR - 1>(rows, f);
+  }
+}
 
 inline uint32_t load_pair_bits(const uint16_t* p) {
   uint32_t bits;
@@ -31,20 +50,13 @@ inline void stage_rows(StagedPair* staged, const uint16_t* x, int64_t x_stride, 
   }
 }
 
-// out[MR, columns] (columns <= kTileColumns) from the staged rows and the panel's pair rows
-// starting at `weights` (the tile's first column).
+// Adds the bias to the MR x NV accumulators and stores `columns` (<= kTileColumns) of each row as bf16.
 template <int MR>
-inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t* weights, const uint16_t* bias,
-                        uint16_t* out, int64_t out_stride, int64_t columns) {
-  constexpr int NV = kLinearTileVectors;
-  Vec16 acc[MR][NV];
-  for (int m = 0; m < MR; ++m) {
-    for (Vec16& a : acc[m]) a = vzero();
-  }
-  for (int64_t k = 0; k < pairs; ++k) accumulate_pair_row<MR, NV>(acc, weights + k * 2 * kPanelColumns, staged + k * MR);
+inline void store_tile(Vec16 (&acc)[MR][kLinearTileVectors], const uint16_t* bias, uint16_t* out, int64_t out_stride,
+                       int64_t columns) {
   alignas(64) float tile[kTileColumns];
   for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < NV; ++v) vstore(tile + kLanes * v, acc[m][v]);
+    for (int v = 0; v < kLinearTileVectors; ++v) vstore(tile + kLanes * v, acc[m][v]);
     uint16_t* row = out + m * out_stride;
     int64_t c = 0;
     for (; c + kLanes <= columns; c += kLanes) {
@@ -55,10 +67,27 @@ inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t*
   }
 }
 
+// out[MR, columns] from the staged rows and the panel's pair rows starting at `weights`
+// (the tile's first column).
 template <int MR>
-inline void linear_row_tile(const uint16_t* x, int64_t x_stride, int64_t in_features, const uint16_t* panel,
+inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t* weights, const uint16_t* bias,
+                        uint16_t* out, int64_t out_stride, int64_t columns) {
+  Vec16 acc[MR][kLinearTileVectors];
+  for (int m = 0; m < MR; ++m) {
+    for (Vec16& a : acc[m]) a = vzero();
+  }
+  for (int64_t k = 0; k < pairs; ++k) {
+    accumulate_pair_row<MR, kLinearTileVectors>(acc, weights + k * 2 * kPanelColumns, staged + k * MR);
+  }
+  store_tile<MR>(acc, bias, out, out_stride, columns);
+}
+
+// The column tiles of one panel, one tile of `tile` rows, inputs staged by stage_rows.
+template <class Tile>
+inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_features, const uint16_t* panel,
                             const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns,
                             StagedPair* staged) {
+  constexpr int MR = Tile::size;
   stage_rows<MR>(staged, x, x_stride, in_features);
   const int64_t pairs = (in_features + 1) / 2;
   for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
@@ -68,27 +97,95 @@ inline void linear_row_tile(const uint16_t* x, int64_t x_stride, int64_t in_feat
   }
 }
 
-// The last rows of a call, fewer than a whole tile: MR = rows, found by counting down.
-template <int MR>
-inline void linear_last_rows(int64_t rows, const uint16_t* x, int64_t x_stride, int64_t in_features,
-                             const uint16_t* panel, const uint16_t* bias, uint16_t* out, int64_t out_stride,
-                             int64_t columns, StagedPair* staged) {
-  if constexpr (MR > 0) {
-    if (rows == MR) {
-      return linear_row_tile<MR>(x, x_stride, in_features, panel, bias, out, out_stride, columns, staged);
+#ifdef CONTBATCH_WIDENS_PANELS
+// wide[i][c] = the weight of column c for input i, as fp32, for the 2 * pairs inputs
+// (the last one zero where in_features is odd: the panel's padding).
+inline void widen_panel(float* wide, const uint16_t* panel, int64_t pairs) {
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint16_t* pair_row = panel + k * 2 * kPanelColumns;
+    float* even = wide + 2 * k * kPanelColumns;
+    float* odd = even + kPanelColumns;
+    for (int v = 0; v < kPanelColumns / kLanes; ++v) {
+      vstore(even + kLanes * v, vload_even(pair_row + 2 * kLanes * v));
+      vstore(odd + kLanes * v, vload_odd(pair_row + 2 * kLanes * v));
     }
-    linear_last_rows<MR - 1>(rows, x, x_stride, in_features, panel, bias, out, out_stride, columns, staged);
   }
 }
 
+// staged[i * MR + m] = row m's input i as fp32, zero past in_features up to `inputs`.
+template <int MR>
+inline void stage_rows_fp32(float* staged, const uint16_t* x, int64_t x_stride, int64_t in_features, int64_t inputs) {
+  for (int m = 0; m < MR; ++m) {
+    const uint16_t* row = x + m * x_stride;
+    for (int64_t i = 0; i < inputs; ++i) staged[i * MR + m] = i < in_features ? load1(row[i]) : 0.0f;
+  }
+}
+
+// out[MR, columns] from fp32 staged rows and the widened panel from column `wide` on.
+template <int MR>
+inline void wide_tile(const float* staged, int64_t inputs, const float* wide, const uint16_t* bias, uint16_t* out,
+                      int64_t out_stride, int64_t columns) {
+  constexpr int NV = kLinearTileVectors;
+  Vec16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m) {
+    for (Vec16& a : acc[m]) a = vzero();
+  }
+  for (int64_t i = 0; i < inputs; ++i) {
+    Vec16 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = vload(wide + i * kPanelColumns + kLanes * v);
+    for (int m = 0; m < MR; ++m) {
+      const Vec16 input = vset1(staged[i * MR + m]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = vfma(w[v], input, acc[m][v]);
+    }
+  }
+  store_tile<MR>(acc, bias, out, out_stride, columns);
+}
+
+template <class Tile>
+inline void wide_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_features, const float* wide,
+                          int64_t inputs, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns,
+                          float* staged) {
+  constexpr int MR = Tile::size;
+  stage_rows_fp32<MR>(staged, x, x_stride, in_features, inputs);
+  for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
+    const int64_t width = columns - c0 < kTileColumns ? columns - c0 : kTileColumns;
+    wide_tile<MR>(staged, inputs, wide + c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride, width);
+  }
+}
+
+// Scratch: the header (which panel `wide` holds), the staged rows (kMaxLinearTileRows x 8
+// bytes a pair), then the widened panel, kept for the thread's next task on the same panel.
+void linear_bf16_widened(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
+                         const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch) {
+  const int64_t pairs = (in_features + 1) / 2, inputs = 2 * pairs;
+  auto** widened_panel = static_cast<const uint16_t**>(scratch);
+  auto* staged = reinterpret_cast<float*>(static_cast<char*>(scratch) + kLinearScratchHeader);
+  float* wide = staged + pairs * kMaxLinearTileRows * 2;
+  if (*widened_panel != panel) {
+    widen_panel(wide, panel, pairs);
+    *widened_panel = panel;
+  }
+  for (int64_t r = 0; r < rows; r += kLinearTileRows) {
+    with_tile_rows<kLinearTileRows>(rows - r < kLinearTileRows ? rows - r : kLinearTileRows, [&](auto tile) {
+      wide_row_tile(tile, x + r * x_stride, x_stride, in_features, wide, inputs, bias, out + r * out_stride,
+                    out_stride, columns, staged);
+    });
+  }
+}
+#endif  // CONTBATCH_WIDENS_PANELS
+
 void linear_bf16_panel(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
                        const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch) {
-  auto* staged = static_cast<StagedPair*>(scratch);
-  int64_t r = 0;
-  for (; r + kLinearTileRows <= rows; r += kLinearTileRows) {
-    linear_row_tile<kLinearTileRows>(x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride,
-                                     out_stride, columns, staged);
+#ifdef CONTBATCH_WIDENS_PANELS
+  if (rows >= kWidenFromRows) {
+    return linear_bf16_widened(x, x_stride, rows, in_features, panel, bias, out, out_stride, columns, scratch);
   }
-  linear_last_rows<kLinearTileRows - 1>(rows - r, x + r * x_stride, x_stride, in_features, panel, bias,
-                                        out + r * out_stride, out_stride, columns, staged);
+#endif
+  auto* staged = reinterpret_cast<StagedPair*>(static_cast<char*>(scratch) + kLinearScratchHeader);
+  for (int64_t r = 0; r < rows; r += kLinearTileRows) {
+    with_tile_rows<kLinearTileRows>(rows - r < kLinearTileRows ? rows - r : kLinearTileRows, [&](auto tile) {
+      direct_row_tile(tile, x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride, out_stride,
+                      columns, staged);
+    });
+  }
 }

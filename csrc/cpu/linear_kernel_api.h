@@ -13,14 +13,21 @@ namespace contbatch::cpu {
 constexpr int64_t kPanelColumns = 64;
 
 // Scratch one bf16_panel call needs: a row tile's inputs, staged pair by pair (at most
-// 8 rows of 8 bytes a pair).
+// 8 rows of 8 bytes a pair), and on tiers without bf16 dot products the panel widened to
+// fp32 (64 columns x 2 inputs x 4 bytes a pair).
 constexpr int64_t kMaxLinearTileRows = 8;
-inline int64_t linear_scratch_bytes(int64_t in_features) { return (in_features + 1) / 2 * kMaxLinearTileRows * 8; }
+// The first 64 bytes hold which panel the widened copy is of: the driver zeroes them before
+// a thread's first task of each call, so consecutive tasks on one panel widen it once.
+constexpr int64_t kLinearScratchHeader = 64;
+inline int64_t linear_scratch_bytes(int64_t in_features) {
+  return kLinearScratchHeader + (in_features + 1) / 2 * (kMaxLinearTileRows * 8 + kPanelColumns * 2 * 4);
+}
 
 struct LinearKernels {
   // out[rows, columns] = x[rows, in_features] . panel (+ bias[columns]) for one panel;
   // columns <= 64, bias may be nullptr. Rows are processed in register tiles; `scratch`
-  // holds linear_scratch_bytes(in_features), 8-byte aligned, private to the calling thread.
+  // holds linear_scratch_bytes(in_features), 64-byte aligned, private to the calling thread,
+  // its header zeroed by the driver before the thread's first task of the call.
   void (*bf16_panel)(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
                      const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch);
 };

@@ -148,8 +148,9 @@ inline Vec16 qk_tile(const T* q, const T* const* k_rows) {
   return {halves[0], halves[1]};
 }
 
-// 6 rows x 16 columns per linear tile (linear_kernel.h): 12 accumulator, 2 widened weight
-// and 1 broadcast input registers of the 16.
+// 5 rows x 16 columns per linear tile (linear_kernel.h): 10 accumulator, 2 weight and 1
+// broadcast input registers of the 16. At 6 rows GCC spills an accumulator every iteration
+// (a store-to-load chain that halved the kernel's speed).
 constexpr int kLinearTileRows = 5;
 constexpr int kLinearTileVectors = 1;
 

@@ -7,6 +7,9 @@
 //
 // Layout of a pair row: element 2i is input 2k of column i, element 2i + 1 input 2k + 1.
 
+// linear_kernel.h widens whole panels to fp32 for calls with many rows.
+#define CONTBATCH_WIDENS_PANELS 1
+
 // One row's input pair, widened to fp32 once per row tile (not once per column tile).
 struct StagedPair {
   float even, odd;

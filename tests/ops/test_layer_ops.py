@@ -2,8 +2,10 @@
 shapes (sizes with and without a 16-lane tail), both dtypes and every ISA tier this CPU runs.
 
 Tolerances: fp32 2e-6 relative (only the order of the sum of squares and exp's last bit
-differ); bf16 one bf16 rounding step (2^-8 relative) on a small share of elements, since a
-last-bit difference in fp32 can flip a rounding to bf16, never more."""
+differ); bf16 on a small share of elements, since a last-bit difference in fp32 can flip a
+rounding to bf16: one flip of an intermediate bf16 (rms_norm's x * r, 2^-7 relative at
+most), carried through the final product and its own rounding, moves an output by up to
+two bf16 steps (seen: -1.9766 against -1.9609 for x = -3.11, weight 1.84), so 2^-6 relative."""
 
 import hypothesis.strategies as st
 import pytest
@@ -35,8 +37,8 @@ def assert_close_to_reference(ours: torch.Tensor, expected: torch.Tensor) -> Non
         return
     ours32, expected32 = ours.float(), expected.float()
     off = ours32 != expected32
-    # A one-step difference is a rounding flip: the ratio is within one bf16 ulp.
-    torch.testing.assert_close(ours32, expected32, rtol=2**-7, atol=1e-6)
+    # A rounding flip, possibly of an intermediate carried through one more product and rounding.
+    torch.testing.assert_close(ours32, expected32, rtol=2**-6, atol=1e-6)
     assert off.float().mean() <= 0.02, f"{int(off.sum())} of {off.numel()} elements differ from the reference"
 
 
