@@ -121,6 +121,7 @@ def run_contbatch(model_dir, dtype: str, requests: list, warmup: list, tokenizer
     result = summarize(requests, wall, ttfts, generated, load_s, rss)
     result["config"] = dict(settings)
     result["cached_prompt_tokens"] = sum(out.num_cached_tokens for out in outputs)
+    result["token_ids"] = [list(out.outputs[0].token_ids) for out in outputs]  # for greedy agreement, then dropped
     result.update(_step_statistics(recorder.samples, llm, after, wall))
     if settings["decode_batch"]:
         recorder.clear()

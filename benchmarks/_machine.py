@@ -33,9 +33,27 @@ def cpu_description() -> str:
             f"model {fields.get('model', '?')}; {isa}), kernel tier {ops.cpu_isa() or 'reference ops'}")
 
 
+# (vendor, family, model) of the CPU kinds this project's machines come in.
+_KNOWN_KINDS = {("AuthenticAMD", "25", "17"): "zen4", ("AuthenticAMD", "25", "1"): "zen3"}
+
+
+def cpu_kind() -> str:
+    """Which kind of CPU a result belongs to: "zen4", "zen3", else "<vendor>-<family>-<model>";
+    with "-<tier>" added when CONTBATCH_CPU_ISA forced a tier other than "auto"'s. Each
+    kind has its own sections in docs/performance.md."""
+    fields = _cpuinfo()
+    vendor, family, model = fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?")
+    short_vendor = vendor.removeprefix("Genuine").removeprefix("Authentic").lower()
+    kind = _KNOWN_KINDS.get((vendor, family, model)) or f"{short_vendor}-{family}-{model}"
+    if ops.cpu_isa() != ops.best_cpu_isa():
+        kind += f"-{ops.cpu_isa()}"
+    return kind
+
+
 def machine_info() -> dict:
     return {
         "cpu": cpu_description(),
+        "cpu_kind": cpu_kind(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

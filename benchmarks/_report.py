@@ -11,8 +11,8 @@ TAIL_BATCH = 8  # "the tail of a run": decode steps with at most this many reque
 
 
 def section_key(report: dict) -> str:
-    """Each workload and dtype has its own marked section and plot in the docs."""
-    return f"{report['workload']}-{report['dtype']}"
+    """Each workload, dtype and kind of CPU has its own marked section and plot in the docs."""
+    return f"{report['workload']}-{report['dtype']}-{report['machine']['cpu_kind']}"
 
 
 def markers(key: str) -> tuple[str, str]:
@@ -28,6 +28,7 @@ SYSTEM_LABELS = {
     "hf_static": "HF generate, static batches of {batch_size}",
     "hf_cb": "HF continuous batching",
     "hf_serial": "HF generate, one request at a time",
+    "vllm-cpu": "vLLM CPU",
 }
 
 
@@ -39,7 +40,7 @@ def markdown_section(report: dict) -> str:
     first = next((r for r in systems.values() if "error" not in r), None)
     lines = [
         f"Measured {report['date']} with `{report['command']}`.",
-        f"CPU: {machine['cpu']} ({machine['cores']} cores, avx512_bf16: {'yes' if machine['avx512_bf16'] else 'no'}), "
+        f"CPU: {machine['cpu']}, {machine['cores']} cores, "
         f"{threads} torch threads; torch {machine['torch']}, transformers {machine['transformers']}; "
         f"load average {machine['load_avg_1min']:.2f} at the start.",
         f"Workload `{report['workload']}`: {report['num_requests']} requests"
@@ -52,14 +53,17 @@ def markdown_section(report: dict) -> str:
     lines += [_system_row(name, result, report["num_requests"]) for name, result in systems.items()]
     lines += [
         "",
-        f"Ceiling: {roofline['workload_tflop']:.2f} TFLOP of matmuls at this machine's measured {report['dtype']} "
+        f"Ceiling: {roofline['workload_tflop']:.2f} TFLOP of matmuls at this machine's measured "
+        f"{roofline.get('compute_dtype', report['dtype'])} "
         f"matmul peak of {roofline['peak_gflops']:.0f} GFLOP/s is {roofline['ceiling_wall_s']:.1f} s, "
         f"{roofline['ceiling_output_tok_s']:.0f} output tok/s ({_rates(report)}). "
         "\"Of ceiling\" is ceiling time / wall time.",
     ]
+    if "vllm-cpu" in systems and "error" not in systems["vllm-cpu"]:
+        lines += ["", _vllm_cpu_details(systems["vllm-cpu"], systems.get("contbatch", {}))]
     if "contbatch" in systems and "error" not in systems["contbatch"]:
         lines += ["", *_contbatch_details(systems["contbatch"], roofline)]
-    lines += ["", f"![throughput]({plot_name(section_key(report))})", "", *_notes(systems)]
+    lines += ["", f"![throughput]({plot_name(section_key(report))})", "", *_notes(systems, report.get("skipped", {}))]
     return "\n".join(lines)
 
 
@@ -83,6 +87,27 @@ def _rates(report: dict) -> str:
         f"{dtype}: " + ", ".join(f"{shape} {gflops:.0f}" for shape, gflops in rates.items() if shape != "peak")
         for dtype, rates in report["matmul_gflops"].items()
     ) + " GFLOP/s"
+
+
+def _vllm_cpu_details(result: dict, contbatch: dict) -> str:
+    """Start-up time and greedy agreement with contbatch."""
+    config = result["config"]
+    line = (
+        f"vLLM CPU {config['vllm_version']} (torch {result['torch']}, OpenMP threads bound to cores "
+        f"{config['omp_threads_bind']}, none reserved; {'eager' if config['enforce_eager'] else 'torch.compile'}): "
+        f"start-up {result['load_s']:.1f} s from its process start to `LLM(...)` ready (import, model load"
+        f"{'' if config['enforce_eager'] else ', compilation'} and warm-up)"
+    )
+    if "load_s" in contbatch:
+        line += f"; contbatch's `LLM(...)` took {contbatch['load_s']:.1f} s (import not included)"
+    agreement = result.get("agreement_with_contbatch")
+    if agreement:
+        line += (
+            f". Greedy tokens identical to contbatch's on {agreement['requests_identical']:.1%} of the "
+            f"{agreement['requests']} requests; {agreement['tokens_before_divergence']:.1%} of the tokens come "
+            "before a request's first difference"
+        )
+    return line + "."
 
 
 def _contbatch_details(result: dict, roofline: dict) -> list[str]:
@@ -174,7 +199,7 @@ def _tail_steps(result: dict, roofline: dict) -> str:
     )
 
 
-def _notes(systems: dict) -> list[str]:
+def _notes(systems: dict, skipped: dict) -> list[str]:
     notes = [
         "Notes:",
         "- Tokens are counted as asked for (prompt + max_tokens); tokens a static batch generates past a "
@@ -197,6 +222,13 @@ def _notes(systems: dict) -> list[str]:
     if "hf_cb" in systems and "config" in systems["hf_cb"]:
         config = ", ".join(f"{k}={v}" for k, v in systems["hf_cb"]["config"].items())
         notes.append(f"- HF continuous batching (init_continuous_batching, no torch.compile): {config}.")
+    if "vllm-cpu" in systems:
+        notes.append(
+            "- vLLM CPU runs its offline `LLM` class in its own venv (benchmarks/setup_vllm_cpu.sh). Its TTFT is "
+            "`RequestOutput.metrics.first_token_ts` (the engine core's clock); its peak RSS is the sum of the "
+            "peaks of its front-end and engine-core processes."
+        )
+    notes += [f"- Not run: {name}: {reason}." for name, reason in skipped.items()]
     return notes
 
 
@@ -205,7 +237,8 @@ def replace_marked(key: str, section: str, docs_path: Path = DOCS_PATH) -> None:
     begin, end = markers(key)
     text = docs_path.read_text()
     if begin not in text or end not in text or text.index(begin) > text.index(end):
-        raise ValueError(f"{docs_path} must contain {begin} followed by {end}; add them where the results go")
+        raise ValueError(f"{docs_path} must contain {begin} followed by {end}; add them where the results go "
+                         "(under a heading naming the CPU kind and workload)")
     head, rest = text.split(begin, 1)
     tail = rest.split(end, 1)[1]
     docs_path.write_text(f"{head}{begin}\n{section}\n{end}{tail}")

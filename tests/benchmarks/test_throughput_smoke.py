@@ -38,7 +38,7 @@ def report(smollm_dir, tmp_path_factory) -> dict:
 def test_report_has_run_description(report):
     assert report["workload"] == "chat256" and report["dtype"] == "bf16"
     assert report["num_requests"] == NUM_REQUESTS
-    assert {"cpu", "torch", "transformers", "load_avg_1min"} <= set(report["machine"])
+    assert {"cpu", "cpu_kind", "torch", "transformers", "load_avg_1min"} <= set(report["machine"])
     assert report["matmul_gflops"]["bf16"]["peak"] > 0 and report["matmul_gflops"]["fp32"]["peak"] > 0
     assert report["roofline"]["ceiling_wall_s"] > 0
     assert list(report["systems"]) == ["contbatch"]
@@ -84,13 +84,15 @@ def test_chat256_flops_match_the_hand_count(smollm_dir):
 def test_update_docs_rewrites_only_the_marked_section(report, tmp_path):
     pytest.importorskip("matplotlib")
     docs = tmp_path / "performance.md"
-    begin, end = markers("chat256-bf16")
-    other_begin, other_end = markers("chat256-fp32")
-    untouched = f"{other_begin}\nfp32 table\n{other_end}\n"
+    kind = report["machine"]["cpu_kind"]  # each kind of CPU has its own sections
+    begin, end = markers(f"chat256-bf16-{kind}")
+    other_begin, other_end = markers(f"chat256-fp32-{kind}")
+    other_cpu = "".join(markers("chat256-bf16-some-other-cpu"))
+    untouched = f"{other_begin}\nfp32 table\n{other_end}\n{other_cpu}\n"
     docs.write_text(f"# Hand-written\n\n{begin}\nold\n{end}\n\n{untouched}\n## Kernels\nkept\n")
     update_docs(report, "new table", docs)
     assert docs.read_text() == f"# Hand-written\n\n{begin}\nnew table\n{end}\n\n{untouched}\n## Kernels\nkept\n"
-    assert (tmp_path / "performance_throughput_chat256-bf16.png").stat().st_size > 0
+    assert (tmp_path / f"performance_throughput_chat256-bf16-{kind}.png").stat().st_size > 0
 
 
 def test_report_states_the_tail_step_floor(report):

