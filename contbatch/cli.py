@@ -28,9 +28,9 @@ _EXAMPLES = """examples:
 
 Rerunning the same command resumes: ids already in the output are skipped, and a result
 whose input record changed since (an inserted or edited line, another input file) is
-refused unless --redo-mismatched. A JSONL line may override sampling with top-level keys
-named like the flags below ("max_tokens": 8) or a "sampling_params" object
-({"temperature": 0.7}).
+refused unless --redo-mismatched. A JSONL line may override sampling with a
+"sampling_params" object ({"temperature": 0.7, "structured_outputs": {"choice": ["a", "b"]}});
+its other keys are metadata.
 Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
 130 interrupted (Ctrl-C; rerun to resume)."""
 

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from contbatch.config import EngineConfig, resolve_block_size, resolve_device, resolve_dtype
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
-from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable
+from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable, validate_conversation
 from contbatch.sampling_params import SamplingParams
 
 
@@ -94,16 +94,20 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self._render_chat(c, chat_template, add_generation_prompt) for c in conversations]
+        checked = [validate_conversation(c, i) for i, c in enumerate(conversations)]  # all, before any work
+        prompts = [self._render_chat(c, i, chat_template, add_generation_prompt) for i, c in enumerate(checked)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _render_chat(self, conversation: object, chat_template: str | None, add_generation_prompt: bool) -> dict:
-        if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
-            raise TypeError("each conversation must be a list of {'role': ..., 'content': ...} dicts")
+    def _render_chat(
+        self, conversation: list[dict], index: int, chat_template: str | None, add_generation_prompt: bool
+    ) -> dict:
         tokenizer = self.engine.tokenizer
-        text = tokenizer.apply_chat_template(
-            list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+        except Exception as exc:  # the template is the model's own code: name where it failed
+            raise ValueError(f"conversation {index}: the chat template failed: {type(exc).__name__}: {exc}") from exc
         # The template already holds any BOS it wants: do not let the tokenizer add another.
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 

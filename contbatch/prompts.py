@@ -39,6 +39,8 @@ class PromptPreparer:
     def prepare(self, prompt: object) -> PreparedPrompt:
         """Token ids for one prompt; ValueError/TypeError saying what is wrong with it."""
         text, token_ids = self._split(prompt)
+        if text is not None:
+            _check_unicode(text)
         own_params = _own_params(prompt)
         if own_params is not None:
             self.check_params(own_params)
@@ -108,6 +110,38 @@ def _own_params(prompt: object) -> SamplingParams | None:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"a prompt's 'sampling_params' must be a SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _check_unicode(text: str) -> None:
+    """A lone surrogate (e.g. from a badly decoded file) is not text a tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"prompt has a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
+                         "valid Unicode text (was the input decoded with errors='surrogateescape'?)") from None
+
+
+def validate_conversation(conversation: object, index: int) -> list[dict]:
+    """One chat() conversation as a list of messages, each with a str 'role' and a 'content'
+    (a str, or a list of content parts); ValueError/TypeError naming the conversation and message."""
+    where = f"conversation {index}"
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise TypeError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                        f"got {type(conversation).__name__}")
+    for position, message in enumerate(conversation):
+        at = f"{where}, message {position}"
+        if not isinstance(message, dict):
+            raise TypeError(f"{at} must be a {{'role': ..., 'content': ...}} dict, got {type(message).__name__}")
+        missing = [key for key in ("role", "content") if key not in message]
+        if missing:
+            raise ValueError(f"{at} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(message)})")
+        if not isinstance(message["role"], str):
+            raise TypeError(f"{at}: 'role' must be a str, got {type(message['role']).__name__}")
+        if not isinstance(message["content"], (str, list)):
+            raise TypeError(f"{at}: 'content' must be a str or a list of parts, got {type(message['content']).__name__}")
+        if isinstance(message["content"], str):
+            _check_unicode(message["content"])
+    return list(conversation)
 
 
 def _text(value: object) -> str:

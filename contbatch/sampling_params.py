@@ -21,7 +21,8 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability sums to at least top_p (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
         min_p: drop tokens whose probability is below min_p times the most likely one's [0, 1].
-        max_tokens: most tokens to generate (>= 1).
+        max_tokens: most tokens to generate (>= 1); None: until EOS, a stop condition or
+            the end of the context (max_model_len), as in vLLM.
         min_tokens: EOS and stop ids are suppressed until this many tokens exist.
         stop_token_ids: extra token ids that end the request (kept in the output).
         ignore_eos: keep generating past EOS (benchmarks, fixed-length outputs).
@@ -44,6 +45,7 @@ class SamplingParams:
         presence_penalty: subtracted once from the logit of every token already generated [-2, 2].
         frequency_penalty: subtracted per occurrence of a token already generated [-2, 2].
         structured_outputs: constrain the output to a choice, a regex or a JSON schema
+            (a StructuredOutputsParams, or a dict such as {"choice": ["yes", "no"]})
             (a ``StructuredOutputsParams``).
         skip_special_tokens: leave special tokens out of the text.
     """
@@ -52,7 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -82,8 +84,10 @@ class SamplingParams:
             "top_k", self.top_k, lambda v: v == -1 or 0 <= v <= MAX_INT64, "-1 (all tokens) or in [0, 2**63 - 1]"
         )
         _check_number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
-        _check_int("max_tokens", self.max_tokens, lambda v: 1 <= v <= MAX_INT64, ">= 1 and <= 2**63 - 1")
-        _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lambda v: 1 <= v <= MAX_INT64, "None or >= 1 and <= 2**63 - 1")
+        most = MAX_INT64 if self.max_tokens is None else self.max_tokens
+        _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= most, f"in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
             _check_int("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, "None or in [0, 2**64 - 1]")
         if not isinstance(self.ignore_eos, bool):
@@ -102,7 +106,7 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
-        _check_structured_outputs(self.structured_outputs)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -123,16 +127,24 @@ def _stop_strings(stop: object) -> list[str]:
     return list(stop)
 
 
-def _check_structured_outputs(value: object) -> None:
+def _structured_outputs(value: object) -> Any:
+    """A StructuredOutputsParams, or None; a dict with one of its fields (as a JSONL line or
+    a config file gives it, e.g. {"choice": ["yes", "no"]}) is turned into one."""
     if value is None:
-        return
+        return None
     from contbatch.structured_outputs import StructuredOutputsParams
 
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"choice", "regex", "json"})
+        if unknown:
+            raise ValueError(f"SamplingParams.structured_outputs takes the keys choice, regex or json, got {unknown}")
+        return StructuredOutputsParams(**value)
     if not isinstance(value, StructuredOutputsParams):
         raise TypeError(
-            f"SamplingParams.structured_outputs must be a StructuredOutputsParams(choice=..., regex=... or json=...), "
-            f"got {type(value).__name__}"
+            "SamplingParams.structured_outputs must be a StructuredOutputsParams(choice=..., regex=... or json=...) "
+            f"or a dict with one of those keys, got {type(value).__name__}"
         )
+    return value
 
 
 def _check_number(name: str, value: object, ok, allowed: str) -> None:

@@ -27,7 +27,7 @@ def write_questions(path: Path, count: int = 200) -> None:
             question = f"In one sentence, what is {TOPICS[index % len(TOPICS)]}? (#{index})"
             record = {"id": f"q{index:04d}", "messages": [{"role": "user", "content": question}]}
             if index % 10 == 0:
-                record["max_tokens"] = 16  # a per-line override of the job's sampling
+                record["sampling_params"] = {"max_tokens": 16}  # a per-line override of the job's sampling
             out.write(json.dumps(record) + "\n")
 
 

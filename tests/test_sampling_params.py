@@ -66,3 +66,21 @@ def test_validate_catches_a_field_changed_after_construction():
     params.seed = 2**70
     with pytest.raises(ValueError, match=r"SamplingParams\.seed"):
         params.validate()
+
+
+def test_structured_outputs_dict_becomes_params_and_bad_keys_are_named():
+    from contbatch.structured_outputs import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert isinstance(params.structured_outputs, StructuredOutputsParams)
+    assert tuple(params.structured_outputs.choice) == ("yes", "no")
+    with pytest.raises(ValueError, match=r"takes the keys choice, regex or json, got \['grammar'\]"):
+        SamplingParams(structured_outputs={"grammar": "x"})
+    with pytest.raises(ValueError, match="exactly one of choice, regex or json"):
+        SamplingParams(structured_outputs={"choice": ["a"], "regex": "a"})
+
+
+def test_max_tokens_none_is_accepted_and_bounds_min_tokens_by_nothing():
+    assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+    with pytest.raises(ValueError, match="max_tokens must be None or >= 1"):
+        SamplingParams(max_tokens=0)

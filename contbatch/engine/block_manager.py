@@ -165,7 +165,9 @@ class BlockManager:
     def _blocks_ahead(self, request: Request, total: int, num_new_blocks: int) -> int:
         """Blocks to take beyond ``total`` tokens: up to the request's final length, capped at
         lookahead_tokens, without taking the pool below lookahead_floor."""
-        final = min(request.num_prompt_tokens + request.params.max_tokens, total + self.lookahead_tokens)
+        ahead = total + self.lookahead_tokens
+        max_tokens = request.params.max_tokens
+        final = ahead if max_tokens is None else min(request.num_prompt_tokens + max_tokens, ahead)
         wanted = self.blocks_needed(final) - len(request.block_ids) - num_new_blocks
         spare = self.num_free_blocks - num_new_blocks - self.lookahead_floor
         return max(0, min(wanted, spare))

@@ -116,7 +116,9 @@ class Request:
             self.metrics.first_token_time = time.time()
         if token_id in self.stop_ids and self.num_output_tokens > self.params.min_tokens:
             self.finish("stop", token_id if token_id in self.params.stop_token_ids else None)
-        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        elif self.num_tokens >= max_model_len or (
+            self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens
+        ):
             self.finish("length", None)
 
     def finish(self, reason: str, stop_reason: int | str | None) -> None:

@@ -1,25 +1,29 @@
 """Turning an input record into the prompt dict ``LLM.iter_generate`` takes.
 
-Per-line sampling overrides: any top-level key named like a SamplingParams field
-(``"max_tokens": 64``), then a ``"sampling_params"`` object (``{"temperature": 0.7}``)
-on top. Other top-level keys are ignored.
+Per-line sampling overrides live under one key, ``"sampling_params"``
+(``{"sampling_params": {"temperature": 0.7, "structured_outputs": {"choice": ["yes", "no"]}}}``).
+Every other key is the user's metadata and never changes sampling, even when it is named
+like a sampling field (``"n": 3``); such keys are warned about once per job, since earlier
+versions read them as overrides.
 """
 
 import dataclasses
+import logging
 
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.jobs.reader import RawRecord
 from contbatch.sampling_params import SamplingParams
 
+logger = logging.getLogger("contbatch.jobs")
+
 OVERRIDE_KEY = "sampling_params"
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def sampling_overrides(data: dict) -> tuple[dict, object]:
-    """A record's own sampling, as given: its top-level keys named like a SamplingParams
-    field, and its ``"sampling_params"`` value (None when absent)."""
-    return {key: value for key, value in data.items() if key in SAMPLING_FIELDS}, data.get(OVERRIDE_KEY)
+def sampling_overrides(data: dict) -> object:
+    """A record's own sampling, as given: its ``"sampling_params"`` value (None when absent)."""
+    return data.get(OVERRIDE_KEY)
 
 
 class RecordBuilder:
@@ -40,6 +44,7 @@ class RecordBuilder:
         self.prompt_field = prompt_field
         self.messages_field = messages_field
         self.tokenizer = tokenizer
+        self._warned = False  # about top-level fields named like sampling parameters
 
     def build(self, record: RawRecord) -> dict:
         if isinstance(record.data, str):
@@ -81,16 +86,24 @@ class RecordBuilder:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _params(self, data: dict) -> SamplingParams | None:
-        overrides, nested = sampling_overrides(data)
-        if nested is not None:
-            if not isinstance(nested, dict):
-                raise TypeError(f"field {OVERRIDE_KEY!r} must be an object, got {type(nested).__name__}")
-            unknown = sorted(set(nested) - SAMPLING_FIELDS)
-            if unknown:
-                raise ValueError(
-                    f"unknown sampling parameter(s) {unknown} in {OVERRIDE_KEY!r}; known: {sorted(SAMPLING_FIELDS)}"
-                )
-            overrides.update(nested)
-        if not overrides:
+        self._warn_about_top_level_fields(data)
+        overrides = sampling_overrides(data)
+        if overrides is None:
             return None
-        return dataclasses.replace(self.base_params, **overrides)
+        if not isinstance(overrides, dict):
+            raise TypeError(f"field {OVERRIDE_KEY!r} must be an object, got {type(overrides).__name__}")
+        unknown = sorted(set(overrides) - SAMPLING_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown} in {OVERRIDE_KEY!r}; known: {sorted(SAMPLING_FIELDS)}")
+        return dataclasses.replace(self.base_params, **overrides) if overrides else None
+
+    def _warn_about_top_level_fields(self, data: dict) -> None:
+        if self._warned:
+            return
+        named_like_sampling = sorted(SAMPLING_FIELDS.intersection(data))
+        if named_like_sampling:
+            self._warned = True
+            logger.warning(
+                "input fields %s are named like sampling parameters but are kept as metadata and do not change "
+                "sampling; put per-line overrides under %r", named_like_sampling, OVERRIDE_KEY,
+            )

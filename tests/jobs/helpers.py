@@ -27,7 +27,7 @@ def prompt_records(count: int) -> list[dict]:
     for index in range(count):
         record = {"id": f"q{index}", "prompt": f"Question {index}: " + "tell me more " * (index % 7)}
         if index % 3 == 0:
-            record["max_tokens"] = 1 + index % 11
+            record["sampling_params"] = {"max_tokens": 1 + index % 11}
         records.append(record)
     return records
 

@@ -1,6 +1,7 @@
 """Bad input records under on_error="skip" (listed, the rest runs) and "stop" (refused up front)."""
 
 import json
+import logging
 
 import pytest
 
@@ -17,7 +18,7 @@ BAD_LINES = [
     ('{"id": "d", "prompt": "   "}', "empty prompt"),
     ('{"id": "e", "prompt": 42}', "must be a string"),
     ('{"id": 1.5, "prompt": "x"}', "must be a string or an integer"),
-    ('{"id": "f", "prompt": "x", "max_tokens": 0}', "max_tokens must be >= 1"),
+    ('{"id": "f", "prompt": "x", "sampling_params": {"max_tokens": 0}}', "max_tokens must be None or >= 1"),
     ('{"id": "g", "prompt": "x", "sampling_params": {"temprature": 0.5}}', "unknown sampling parameter"),
     ('{"id": "h", "prompt": "' + "word " * 300 + '"}', "max_model_len"),  # only the engine can tell
     ('{"id": "i", "prompt": "also fine"}', None),
@@ -73,15 +74,23 @@ def test_text_input_uses_line_numbers_as_ids_and_skips_blank_lines(run, tmp_path
     assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [1, 3, 5]
 
 
-def test_line_overrides_top_level_and_nested(run, tmp_path):
+def test_only_sampling_params_overrides_sampling(run, tmp_path, caplog):
     source = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": "top", "prompt": "x", "max_tokens": 2},
+        {"id": "metadata", "prompt": "x", "max_tokens": 2, "n": 3},  # metadata named like sampling fields
         {"id": "nested", "prompt": "x", "max_tokens": 2, "sampling_params": {"max_tokens": 3}},
         {"id": "default", "prompt": "x"},
+        {"id": "choice", "prompt": "Yes or no?",
+         "sampling_params": {"structured_outputs": {"choice": ["yes", "no"]}, "ignore_eos": False}},
     ])
-    run(source, sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    tokens = {r["id"]: r["completion_tokens"] for r in read_jsonl(tmp_path / "out.jsonl")}
-    assert tokens == {"top": 2, "nested": 3, "default": 5}
+    with caplog.at_level(logging.WARNING, logger="contbatch.jobs"):
+        run(source, sampling_params=SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    results = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert {k: r["completion_tokens"] for k, r in results.items() if k != "choice"} == {
+        "metadata": 5, "nested": 3, "default": 5}
+    assert len(results["metadata"]["outputs"]) == 1, "a top-level 'n' must not change sampling"
+    assert results["choice"]["outputs"][0]["text"] in ("yes", "no")
+    warnings = [r.getMessage() for r in caplog.records if "named like sampling parameters" in r.getMessage()]
+    assert len(warnings) == 1 and "['max_tokens', 'n']" in warnings[0]
 
 
 def test_messages_field_applies_the_chat_template(run, tmp_path, chat_llm):

@@ -38,7 +38,8 @@ def test_inserted_line_is_refused_before_the_model_loads(run, tmp_path, no_model
 
 @pytest.mark.parametrize(
     "field, value, what",
-    [("prompt", "A different question", "the prompt differs"), ("max_tokens", 2, "the sampling settings differ")],
+    [("prompt", "A different question", "the prompt differs"),
+     ("sampling_params", {"max_tokens": 2}, "the sampling settings differ")],
 )
 def test_edited_record_under_the_same_id_is_refused(run, tmp_path, field, value, what):
     records = prompt_records(6)  # q3 overrides max_tokens (4)
@@ -78,7 +79,7 @@ def test_redo_mismatched_keeps_the_results_that_still_match(run, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", records)
     run(source)
     records[2]["prompt"] = "An edited question"
-    records[7]["max_tokens"] = 1
+    records[7]["sampling_params"] = {"max_tokens": 1}
     write_jsonl(source, records)
     summary = run(source, redo_mismatched=True)
     assert (summary.written, summary.already_done, summary.redone) == (2, 10, 2)
