@@ -1,0 +1,77 @@
+"""Times one long prompt's prefill: contbatch (chunked, max_num_batched_tokens per step, as
+it runs beside decodes) against one HF transformers forward pass over the same tokens.
+
+For each prompt length, the wall time of ``LLM.generate`` with max_tokens=1 (the prefill
+and one sampled token; the LLM is built and warmed up first) and of
+``model(input_ids)`` in HF (sdpa attention, no KV cache kept), both in the same dtype,
+fastest of --reps. Prints a markdown table (CPU and kernel tier named); --update-docs
+writes it into docs/performance.md.
+
+    python benchmarks/long_prompt.py [--lengths 500,1000,2500,5000] [--dtype bf16|fp32] [--update-docs]
+"""
+
+import argparse
+import random
+import sys
+import time
+
+sys.modules.setdefault("kernels", None)  # see throughput.py: this folder's kernels.py is not the `kernels` package
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from contbatch import LLM, SamplingParams  # noqa: E402
+from contbatch.demo_model import demo_model_dir  # noqa: E402
+
+from _machine import cpu_description, cpu_kind  # noqa: E402
+from _report import replace_marked  # noqa: E402
+from _roofline import DTYPES, fastest  # noqa: E402
+
+LENGTHS = (500, 1000, 2500, 5000)
+
+
+def random_prompt(length: int, vocab_size: int) -> list[int]:
+    rng = random.Random(length)
+    return [rng.randrange(100, vocab_size) for _ in range(length)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated prompt lengths")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="contbatch's per-step token budget")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the long-prompt table of docs/performance.md")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    directory, dtype = demo_model_dir(), DTYPES[args.dtype]
+    llm = LLM(directory, dtype=dtype, max_model_len=max(lengths) + 8,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa").eval()
+    vocab = hf.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rows = []
+    for length in lengths:
+        prompt = random_prompt(length, vocab)
+        ours = fastest(lambda: llm.generate([prompt], params, use_tqdm=False), reps=args.reps)
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            theirs = fastest(lambda: hf(ids, use_cache=False), reps=args.reps)
+        rows.append((length, ours, theirs))
+        print(f"{length} tokens: contbatch {ours:.2f} s, HF forward {theirs:.2f} s", flush=True)
+    table = "\n".join([
+        f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `python benchmarks/long_prompt.py --dtype {args.dtype}`: "
+        f"SmolLM2-135M in {args.dtype}, {torch.get_num_threads()} threads, contbatch max_num_batched_tokens="
+        f"{args.max_num_batched_tokens}; CPU: {cpu_description()}. Fastest of {args.reps}.",
+        "",
+        "| prompt tokens | contbatch prefill (s) | HF forward (s) | contbatch speed vs HF |",
+        "| ---: | ---: | ---: | ---: |",
+        *(f"| {n} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |" for n, ours, theirs in rows),
+    ])
+    print(table)
+    if args.update_docs:
+        replace_marked(f"long-prompt-{args.dtype}-{cpu_kind()}", table)
+
+
+if __name__ == "__main__":
+    main()
