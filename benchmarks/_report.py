@@ -68,9 +68,9 @@ def markdown_section(report: dict) -> str:
 
 
 def _system_row(name: str, result: dict, num_requests: int) -> str:
+    if "error" in result:  # before the label: a failed system's result has no config to fill it
+        return f"| {name} | failed: see the run's JSON | | | | | | |"
     label = SYSTEM_LABELS[name].format(**result.get("config", {}))
-    if "error" in result:
-        return f"| {label} | failed: see the run's JSON | | | | | | |"
     wall = f"{result['wall_s']:.1f}"
     if result.get("extrapolated"):
         label += f" (first {result['num_requests']} of {num_requests}, extrapolated)"

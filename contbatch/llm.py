@@ -158,6 +158,7 @@ class LLM:
         flat however many prompts stream through. Closing the iterator early aborts
         the unfinished requests.
         """
+        self._check_idle()  # here too, so that generate() raises it as it is, before any work
         items, materialised = as_prompt_iterable(prompts)
         total = len(items) if materialised else None
         if total == 0:
@@ -170,8 +171,7 @@ class LLM:
         self, source: Iterable, params: Iterator[SamplingParams], prepared: bool, progress: "_Progress"
     ) -> Iterator[RequestOutput]:
         engine = self.engine
-        if self._running:
-            raise RuntimeError("this LLM is already running a generate/iter_generate call; finish or close it first")
+        self._check_idle()  # two iterators made before either ran: the second to start is refused
         self._running = True
         pending = enumerate(source)
         exhausted = False
@@ -197,6 +197,10 @@ class LLM:
             engine.abort_all()
             progress.close()
             self._running = False
+
+    def _check_idle(self) -> None:
+        if self._running:
+            raise RuntimeError("this LLM is already running a generate/iter_generate call; finish or close it first")
 
     def _admit(self, position: int, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
         """Queue one prompt; a prompt that cannot run gets an error output instead."""

@@ -219,3 +219,21 @@ def test_truncated_checkpoint(tiny_model_dirs, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing 1 tensors"):
         LLM(tmp_path, skip_tokenizer_init=True)
+
+
+def test_generate_while_a_stream_runs_is_refused_as_is(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, dtype="float32")
+    stream = llm.iter_generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3))
+    next(stream)  # the stream is running now
+    with pytest.raises(RuntimeError, match="already running"):  # not wrapped in GenerationInterrupted
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    rest = list(stream)
+    assert len(rest) == 1 and rest[0].error is None
+    # Two iterators made before either ran: the second to start is refused, the first is unharmed.
+    first = llm.iter_generate([[1, 2]], SamplingParams(max_tokens=2))
+    second = llm.iter_generate([[3, 4]], SamplingParams(max_tokens=2))
+    assert next(first).error is None
+    with pytest.raises(RuntimeError, match="already running"):
+        next(second)
+    assert list(first) == []  # its one request had finished
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1

@@ -100,3 +100,10 @@ def test_report_states_the_tail_step_floor(report):
     assert roofline["copy_gbs"] > 0
     assert roofline["weight_bytes"] == ModelFlops(**roofline["model"]).weight_bytes(2)  # bf16
     assert roofline["weight_stream_s"] == pytest.approx(roofline["weight_bytes"] / (roofline["copy_gbs"] * 1e9))
+
+
+def test_a_failed_system_is_a_row_saying_so():
+    from _report import _system_row
+
+    row = _system_row("hf_static", {"error": "exit code 1: boom"}, 256)  # its label needs a batch size
+    assert row.startswith("| hf_static | failed: see the run's JSON |")
