@@ -81,10 +81,7 @@ def _choose_isa_from_environment() -> None:
             raise ValueError(f"CONTBATCH_CPU_ISA={isa}: the C++ extension is not built, so only the "
                              "PyTorch reference ops run; unset it or build the extension")
         return
-    try:
-        _native.set_cpu_isa(isa)
-    except RuntimeError as exc:  # torch wraps the extension's ValueError
-        raise ValueError(str(exc).splitlines()[0]) from None
+    set_cpu_isa(isa)
 
 
 def cpu_isa() -> str | None:
@@ -108,10 +105,7 @@ def set_cpu_isa(isa: str) -> None:
     ValueError for a tier this CPU or build lacks."""
     if _native is None:
         raise ValueError("set_cpu_isa: the C++ extension is not built")
-    try:
-        _native.set_cpu_isa(isa)
-    except RuntimeError as exc:
-        raise ValueError(str(exc).splitlines()[0]) from None
+    _native.set_cpu_isa(isa)  # the extension's TORCH_CHECK_VALUE arrives as a ValueError
 
 
 @contextmanager

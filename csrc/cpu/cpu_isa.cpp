@@ -15,6 +15,7 @@ struct Tier {
   const char* name;
   const KernelSet* (*kernels)();  // returns nullptr where this build did not compile the tier
   bool (*cpu_has)();
+  bool (*auto_takes)();  // whether "auto" may pick it where the CPU has it
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -34,16 +35,6 @@ bool has_avx512_bf16() { return false; }
 #endif
 bool any_cpu() { return true; }
 
-// Slowest first.
-constexpr Tier kTiers[] = {
-    {"generic", &generic_kernel_set, &any_cpu},
-    {"avx2", &avx2_kernel_set, &has_avx2},
-    {"avx512", &avx512_kernel_set, &has_avx512},
-    {"avx512_bf16", &avx512_bf16_kernel_set, &has_avx512_bf16},
-};
-
-const KernelSet* runnable(const Tier& tier) { return tier.cpu_has() ? tier.kernels() : nullptr; }
-
 // Whether vdpbf16ps beats fp32 FMAs on bf16 pairs. On AMD (Zen 4) it does twice an FMA's
 // work a cycle (bf16 matmul peak 427 against 190 GFLOP/s fp32). On Intel (measured on an
 // Emerald Rapids Xeon) it runs at half the FMA rate: torch's bf16 matmul peak 164 against
@@ -58,13 +49,23 @@ bool bf16_dot_products_pay() {
 #endif
 }
 
-// The fastest tier this CPU runs: the last runnable one, except avx512_bf16 where its dot
-// products do not pay (it stays available by name).
+// Slowest first.
+constexpr Tier kTiers[] = {
+    {"generic", &generic_kernel_set, &any_cpu, &any_cpu},
+    {"avx2", &avx2_kernel_set, &has_avx2, &any_cpu},
+    {"avx512", &avx512_kernel_set, &has_avx512, &any_cpu},
+    {"avx512_bf16", &avx512_bf16_kernel_set, &has_avx512_bf16, &bf16_dot_products_pay},
+};
+
+const KernelSet* runnable(const Tier& tier) { return tier.cpu_has() ? tier.kernels() : nullptr; }
+
+// The fastest tier this CPU runs: the last runnable one that "auto" takes (a tier it skips
+// stays available by name).
 const KernelSet* best_kernels() {
   const KernelSet* best = nullptr;
   for (const Tier& tier : kTiers) {
-    if (std::string_view(tier.name) == "avx512_bf16" && !bf16_dot_products_pay()) continue;
-    if (const KernelSet* set = runnable(tier)) best = set;
+    const KernelSet* set = runnable(tier);
+    if (set != nullptr && tier.auto_takes()) best = set;
   }
   return best;
 }

@@ -1,10 +1,12 @@
 // The body shared by every kernels_<tier>.cpp: included inside namespace contbatch::cpu
-// and an anonymous namespace, after that tier's simd header, it instantiates every kernel
-// for the tier and collects them in kTierKernels. The kernels are written once against
-// the Vec16 functions; only the simd header differs between tiers.
+// and an anonymous namespace, after that tier's simd header and with CONTBATCH_TIER_NAME
+// defined, it instantiates every kernel for the tier and collects them in kTierKernels.
+// The kernels are written once against the Vec16 functions; only the simd header differs
+// between tiers.
 #include "attention_kernel.h"
 #include "layers_kernel.h"
 #include "linear_kernel.h"
 
 constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>};
 constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel};
+constexpr KernelSet kTierKernels{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};

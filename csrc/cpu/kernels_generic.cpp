@@ -6,14 +6,13 @@
 
 #include "kernel_set.h"
 
+#define CONTBATCH_TIER_NAME "generic"
+
 namespace contbatch::cpu {
 namespace {
 #include "simd_generic.h"
 #include "kernel_tier.h"
 }  // namespace
 
-const KernelSet* generic_kernel_set() {
-  static const KernelSet set{"generic", &kKernels, &kTierLayerKernels, &kTierLinearKernels};
-  return &set;
-}
+const KernelSet* generic_kernel_set() { return &kTierKernels; }
 }  // namespace contbatch::cpu

@@ -36,10 +36,7 @@ namespace {
 #pragma GCC pop_options
 
 namespace contbatch::cpu {
-const KernelSet* CONTBATCH_TIER_GETTER() {
-  static const KernelSet set{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};
-  return &set;
-}
+const KernelSet* CONTBATCH_TIER_GETTER() { return &kTierKernels; }
 }  // namespace contbatch::cpu
 
 #else

@@ -9,8 +9,8 @@
 // of kLinearTileVectors vectors: each weight load feeds kLinearTileRows dot products, and
 // the accumulators, weight vectors and a broadcast input fit the tier's registers.
 //
-// Tiers without bf16 dot products (kWidensPanels) widen the whole panel to fp32 first when a
-// call has kWidenFromRows rows or more: every weight is then widened once per call instead
+// Tiers without bf16 dot products (CONTBATCH_WIDENS_PANELS) widen the whole panel to fp32
+// first when a call has kWidenFromRows rows or more: every weight is then widened once per call instead
 // of once per row tile, and the inner loop is plain fp32 loads, broadcasts and FMAs.
 
 static_assert(kLinearTileRows <= kMaxLinearTileRows && sizeof(StagedPair) <= 8, "linear scratch too small");
@@ -29,6 +29,14 @@ inline void with_tile_rows(int64_t rows, const F& f) {
   if constexpr (MR > 0) {
     if (rows == MR) return f(TileRows<MR>{});
     with_tile_rows<MR - 1>(rows, f);
+  }
+}
+
+// tile(c0, width) for each column tile of `columns` (<= kPanelColumns).
+template <class F>
+inline void for_column_tiles(int64_t columns, const F& tile) {
+  for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
+    tile(c0, columns - c0 < kTileColumns ? columns - c0 : kTileColumns);
   }
 }
 
@@ -90,11 +98,10 @@ inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t i
   constexpr int MR = Tile::size;
   stage_rows<MR>(staged, x, x_stride, in_features);
   const int64_t pairs = (in_features + 1) / 2;
-  for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
-    const int64_t width = columns - c0 < kTileColumns ? columns - c0 : kTileColumns;
+  for_column_tiles(columns, [&](int64_t c0, int64_t width) {
     linear_tile<MR>(staged, pairs, panel + 2 * c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride,
                     width);
-  }
+  });
 }
 
 #ifdef CONTBATCH_WIDENS_PANELS
@@ -147,10 +154,9 @@ inline void wide_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_
                           float* staged) {
   constexpr int MR = Tile::size;
   stage_rows_fp32<MR>(staged, x, x_stride, in_features, inputs);
-  for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
-    const int64_t width = columns - c0 < kTileColumns ? columns - c0 : kTileColumns;
+  for_column_tiles(columns, [&](int64_t c0, int64_t width) {
     wide_tile<MR>(staged, inputs, wide + c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride, width);
-  }
+  });
 }
 
 // Scratch: the header (which panel `wide` holds), the staged rows (kMaxLinearTileRows x 8

@@ -91,12 +91,13 @@ inline Vec16 qk_tile(const T* q, const T* const* k_rows) {
   return vsum_transpose(acc);
 }
 
-#ifdef CONTBATCH_AVX512_BF16
-
 // 6 rows x 64 columns per linear tile (linear_kernel.h): 24 accumulators, 4 weight vectors
-// and a broadcast input pair fit the 32 vector registers, each weight load feeding 6 dot products.
+// (bf16 pairs, or widened on the tier without AVX512_BF16) and a broadcast input fit the 32
+// vector registers, each weight load feeding 6 rows.
 constexpr int kLinearTileRows = 6;
 constexpr int kLinearTileVectors = 4;
+
+#ifdef CONTBATCH_AVX512_BF16
 
 // bf16 pair dot products for the linear kernel: lane i of a loaded pair row holds the pair
 // (w[2i], w[2i + 1]); vdpbf16ps adds w[2i] * x.even + w[2i + 1] * x.odd to lane i.
@@ -209,11 +210,6 @@ inline void unpermute_pairs(float* acc) {
 }
 
 #else  // AVX-512 without AVX512_BF16
-
-// 6 rows x 64 columns per linear tile: 24 accumulators, 4 widened weight vectors and a
-// broadcast input fit the 32 vector registers.
-constexpr int kLinearTileRows = 6;
-constexpr int kLinearTileVectors = 4;
 
 // The even (odd) elements of 16 bf16 pairs, widened: a 16-bit shift (a mask) of each pair.
 inline Vec16 vload_even(const uint16_t* pairs) {
