@@ -1,9 +1,8 @@
-"""contbatch under the benchmark, with per-step statistics taken from outside the library.
+"""contbatch under the benchmark, with per-step statistics from the engine's stats interface.
 
-StepRecorder wraps the engine's step, the runner's execute and the model's forward
-and compute_logits on the instance (the library is not edited) and samples, per step:
-running batch size, tokens, sampled tokens, attention context, KV blocks in use,
-step time and model time.
+StepRecorder listens to the engine's StepStats (contbatch/engine/stats.py) and keeps,
+per step: running batch size, tokens, sampled tokens, attention context, KV blocks in
+use, step time and model time (forward and logits).
 """
 
 import time
@@ -27,58 +26,27 @@ class StepSample(NamedTuple):
 
 
 class StepRecorder:
-    """Samples every step of ``engine`` from the moment it is created."""
+    """Samples every step of ``engine`` through its stats interface, from the moment it is created."""
 
     def __init__(self, engine) -> None:
-        self.engine = engine
         self.samples: list[StepSample] = []
-        self._model_s = 0.0
-        self._pending: list | None = None  # the step's fields up to kv_blocks_used, filled by execute
-        runner, model = engine.runner, engine.runner.model
-        engine.step = self._timed_step(engine.step)
-        runner.execute = self._observed_execute(runner.execute)
-        model.forward = self._timed_model(model.forward)
-        model.compute_logits = self._timed_model(model.compute_logits)
+        engine.add_stats_listener(self._record)
 
     def clear(self) -> None:
         self.samples.clear()
 
-    def _timed_step(self, step):
-        def timed_step():
-            self._model_s, self._pending = 0.0, None
-            start = time.perf_counter()
-            outputs = step()
-            if self._pending is not None:
-                self.samples.append(StepSample(*self._pending, time.perf_counter() - start, self._model_s))
-            return outputs
-
-        return timed_step
-
-    def _observed_execute(self, execute):
-        def observed_execute(scheduled):
-            blocks = self.engine.block_manager
-            self._pending = [
-                len(scheduled.scheduled),
-                scheduled.num_batched_tokens,
-                sum(item.samples for item in scheduled.scheduled),
-                sum(
-                    context_sum(item.request.num_computed_tokens, item.request.num_computed_tokens + item.num_new_tokens)
-                    for item in scheduled.scheduled
-                ),
-                blocks.num_blocks - blocks.num_free_blocks,
-            ]
-            return execute(scheduled)
-
-        return observed_execute
-
-    def _timed_model(self, function):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            result = function(*args, **kwargs)
-            self._model_s += time.perf_counter() - start
-            return result
-
-        return timed
+    def _record(self, stats) -> None:
+        self.samples.append(
+            StepSample(
+                batch=stats.num_running,
+                tokens=stats.num_scheduled_tokens,
+                sampled=stats.num_sampled,
+                context_sum=sum(context_sum(first, end) for first, end in stats.query_spans),
+                kv_blocks_used=stats.num_blocks_used,
+                step_s=stats.step_s,
+                model_s=stats.model_s,
+            )
+        )
 
 
 def _generate(llm: LLM, requests: list) -> list:
@@ -88,12 +56,12 @@ def _generate(llm: LLM, requests: list) -> list:
 
 
 def _counters(llm: LLM) -> dict:
-    engine = llm.engine
+    stats = llm.engine.stats
     return {
-        "steps": engine.num_steps,
-        "preemptions": engine.scheduler.num_preemptions,
-        "cache_queries": engine.block_manager.num_cache_queries,
-        "cache_hits": engine.block_manager.num_cache_hits,
+        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions,
+        "cache_queries": stats.num_prefix_queried_tokens,
+        "cache_hits": stats.num_prefix_hit_tokens,
     }
 
 

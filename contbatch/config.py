@@ -25,8 +25,8 @@ class EngineConfig:
         max_num_seqs: most requests running in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: longest prompt + completion; defaults to the model's context length.
-        block_size: tokens per KV-cache block; None: 16, or 256 on CUDA when flash-attn is
-            installed (its paged kernel needs pages of a multiple of 256 tokens).
+        block_size: tokens per KV-cache block; None: the attention backend's default
+            (contbatch/engine/kv_cache.py: 16, or 256 on CUDA with flash-attn).
         kv_cache_memory: bytes for the KV cache; default sized from available RAM.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         seed: seeds the sampler for requests without their own seed.
@@ -53,15 +53,6 @@ class EngineConfig:
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-
-
-def resolve_block_size(block_size: int | None, device: torch.device) -> int:
-    """The block size to use: the given one, or the default for the device's attention backend."""
-    if block_size is not None:
-        return block_size
-    from contbatch.layers import flash_attention
-
-    return flash_attention.FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash_attention.available() else 16
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

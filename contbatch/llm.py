@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from contbatch.config import EngineConfig, resolve_block_size, resolve_device, resolve_dtype
+from contbatch.config import EngineConfig, resolve_device, resolve_dtype
+from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable, validate_conversation

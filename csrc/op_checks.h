@@ -1,5 +1,6 @@
 // Argument checks shared by the CPU and CUDA implementations. They look at shapes, dtypes,
 // devices and strides only; the CPU ops also check index values (slots, block ids, lengths).
+// The layouts are defined in docs/design/kv_cache_layout.md; what these checks accept:
 //
 //   key, value:              [num_tokens, num_kv_heads, head_size], last dim contiguous
 //   key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], contiguous;

@@ -1,5 +1,5 @@
 // CPU entry points of the ops defined in torch_bindings.cpp (schemas there). The CUDA ones
-// are registered by csrc/cuda/*.cu themselves. Shapes and layouts: docs/kv_cache_layout.md
+// are registered by csrc/cuda/*.cu themselves. Shapes and layouts: docs/design/kv_cache_layout.md
 // and the top of op_checks.h.
 #pragma once
 

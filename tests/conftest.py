@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny random models of every supported architecture, the real demo model,
-and the HF transformers oracle they are checked against."""
+"""Shared fixtures: tiny random models of every supported architecture and a tiny chat model
+with a real tokenizer (every tiny model is built here), the real demo model, and the HF
+transformers oracle they are checked against."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,18 +52,24 @@ TINY_CONFIGS = {
     "qwen3": lambda: Qwen3Config(**{**_COMMON, "hidden_size": 96}),
 }
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _save_random_model(config, path: Path, seed: int) -> Path:
+    """A randomly initialised fp32 model of ``config`` saved (config.json + model.safetensors) in ``path``."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """name -> directory with config.json + model.safetensors of a random tiny model."""
-    dirs = {}
-    for name, make_config in TINY_CONFIGS.items():
-        torch.manual_seed(len(name))
-        model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path, safe_serialization=True)
-        dirs[name] = path
-    return dirs
+    return {
+        name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
+        for name, make_config in TINY_CONFIGS.items()
+    }
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +78,31 @@ def smollm_dir() -> Path:
     from contbatch.demo_model import demo_model_dir
 
     return demo_model_dir()
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, smollm_dir) -> Path:
+    """Random 2-layer Llama (head_dim 64, fp32) with SmolLM2's tokenizer and chat template."""
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    path = _save_random_model(config, tmp_path_factory.mktemp("chat-model"), seed=0)
+    for name in TOKENIZER_FILES:
+        if (smollm_dir / name).exists():
+            shutil.copy(smollm_dir / name, path)
+    return path
 
 
 class HFOracle:

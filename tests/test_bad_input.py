@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-import contbatch.engine.request
 from contbatch import LLM, GenerationInterrupted, SamplingParams
+from contbatch.engine.scheduler import Scheduler
 from tests.conftest import TINY_VOCAB
 
 
@@ -27,13 +27,13 @@ def test_empty_prompt_list(llm):
 
 
 def test_empty_prompts_listed_by_index_before_any_work(text_llm):
-    steps_before = text_llm.engine.num_steps
+    steps_before = text_llm.engine.stats.num_steps
     with pytest.raises(ValueError) as info:
         text_llm.generate(["fine", "", "also fine", ""], SamplingParams(max_tokens=2))
     message = str(info.value)
     assert "prompts[1]" in message and "prompts[3]" in message and "empty" in message
     assert "prompts[0]" not in message
-    assert text_llm.engine.num_steps == steps_before, "work started despite invalid input"
+    assert text_llm.engine.stats.num_steps == steps_before, "work started despite invalid input"
 
 
 def test_prompt_longer_than_max_model_len(llm):
@@ -82,13 +82,13 @@ def _out_of_range_seed() -> SamplingParams:
 
 
 def test_out_of_range_seed_in_a_list_is_refused_before_any_work(llm):
-    steps_before = llm.engine.num_steps
+    steps_before = llm.engine.stats.num_steps
     with pytest.raises(ValueError, match=r"sampling_params\[1\]: SamplingParams\.seed .*2\*\*64 - 1"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=3), _out_of_range_seed()], use_tqdm=False)
     prompts = [[5, 6], {"prompt_token_ids": [7, 8], "sampling_params": _out_of_range_seed()}]
     with pytest.raises(ValueError, match=r"prompts\[1\]: SamplingParams\.seed"):
         llm.generate(prompts, use_tqdm=False)
-    assert llm.engine.num_steps == steps_before, "work started despite invalid input"
+    assert llm.engine.stats.num_steps == steps_before, "work started despite invalid input"
 
 
 def test_out_of_range_seed_in_a_lazy_stream_fails_alone(llm):
@@ -122,14 +122,14 @@ def test_the_largest_seed_runs_and_repeats(llm):
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_a_request_that_fails_as_it_starts_ends_alone(llm, monkeypatch, lazy):
-    real = contbatch.engine.request._make_generator
+    real = Scheduler.add_request
 
-    def make_generator(seed, sample_index):
-        if seed == 13:
+    def add_request(self, request_id, prompt, prompt_token_ids, params):
+        if params.seed == 13:
             raise RuntimeError("no generator for 13")
-        return real(seed, sample_index)
+        return real(self, request_id, prompt, prompt_token_ids, params)
 
-    monkeypatch.setattr(contbatch.engine.request, "_make_generator", make_generator)
+    monkeypatch.setattr(Scheduler, "add_request", add_request)
     prompts = [[5, 6], [7, 8], [9, 10]]
     params = [SamplingParams(temperature=0.8, max_tokens=3, seed=seed) for seed in (1, 13, 2)]
     outputs = llm.generate(iter(prompts) if lazy else prompts, params, use_tqdm=False)

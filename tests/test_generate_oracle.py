@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contbatch import LLM, SamplingParams, ops
-from contbatch.engine.model_runner import ModelRunner
+from contbatch.engine.kv_cache import KVCacheSpec
 from contbatch.models.loader import read_config
 from tests.conftest import TINY_CONFIGS, TINY_VOCAB, HFOracle, assert_greedy_match
 from tests.ops.paged_batch import device_params, isa_params
@@ -48,7 +48,7 @@ def _engine_kwargs(model_dir: Path, scenario: dict, max_model_len: int, device: 
     kwargs = dict(dtype="float32", device=device, max_model_len=max_model_len)
     kwargs.update({k: v for k, v in scenario.items() if k != "kv_blocks"})
     if "kv_blocks" in scenario:
-        per_block = ModelRunner.bytes_per_block(read_config(model_dir), 16, _torch_float32())
+        per_block = KVCacheSpec.for_model(read_config(model_dir), 16, _torch_float32()).bytes_per_block
         kwargs["kv_cache_memory"] = scenario["kv_blocks"] * per_block
     return kwargs
 
@@ -62,22 +62,21 @@ def _torch_float32():
 def _run_and_spy(llm: LLM, prompts, params) -> tuple[list, dict]:
     """generate(), recording whether a prefill chunk ever stopped short of its prompt's end."""
     seen = {"chunked": False}
-    execute = llm.engine.runner.execute
 
-    def spy(step):
-        seen["chunked"] |= any(not s.samples and s.num_new_tokens > 0 for s in step.scheduled)
-        return execute(step)
+    def watch(stats):
+        seen["chunked"] |= stats.num_sampled < stats.num_running
 
-    llm.engine.runner.execute = spy
+    llm.engine.add_stats_listener(watch)
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.remove_stats_listener(watch)
     return outputs, seen
 
 
 def _check_scenario(llm: LLM, scenario_name: str, seen: dict, outputs) -> None:
     assert any(o.num_cached_tokens > 0 for o in outputs), "shared prefixes never hit the prefix cache"
-    assert llm.engine.block_manager.num_cache_hits > 0
+    assert llm.engine.stats.num_prefix_hit_tokens > 0
     if scenario_name == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0, "the small KV cache never forced a preemption"
+        assert llm.engine.stats.num_preemptions > 0, "the small KV cache never forced a preemption"
     if scenario_name == "chunked-prefill":
         assert seen["chunked"], "no prompt was prefilled in chunks"
 
@@ -172,8 +171,8 @@ def test_smollm2_matches_hf(scenario_name, device, smollm_dir, smollm_oracle, sm
         assert completion.finish_reason == ("stop" if completion.token_ids[-1] == EOS else "length")
     assert any(o.outputs[0].finish_reason == "stop" for o in outputs), "EOS never ended a request"
     if scenario_name != "mixed":
-        assert llm.engine.scheduler.num_preemptions > 0 and seen["chunked"]
-    assert llm.engine.block_manager.num_cache_hits > 0
+        assert llm.engine.stats.num_preemptions > 0 and seen["chunked"]
+    assert llm.engine.stats.num_prefix_hit_tokens > 0
 
 
 def test_compiled_ops_are_what_ran():

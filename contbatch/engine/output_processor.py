@@ -1,61 +1,90 @@
-"""OutputProcessor: sampled tokens -> text, text-level stops, logprobs, and finished RequestOutputs.
+"""OutputProcessor: sampled tokens -> text, logprobs, the decision to end a request, and RequestOutputs.
 
-Runs after the scheduler has appended each step's tokens. It detokenises
-incrementally, ends requests on stop strings and finished grammars (which the
-scheduler cannot see), and assembles the ``n`` samples of a prompt into one
-RequestOutput once all of them are done.
+The one place that ends requests: after the scheduler has appended a step's tokens,
+it checks each new token against the token-level stops and the length limits
+(contbatch/engine/stopping.py), the request's grammar (through the structured-output
+manager) and its stop strings (on the incrementally detokenised text), and returns
+the finishes for the engine to apply. It assembles the ``n`` samples of a prompt into
+one RequestOutput once all of them are done. Its per-sequence state (text, logprobs,
+finish reason, token times) is its own, keyed by seq_id.
 """
 
-import logging
+import time
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.engine.detokenizer import IncrementalDetokenizer
 from contbatch.engine.request import Request
+from contbatch.engine.stopping import Finish, stop_token_ids, token_finish
 from contbatch.layers.logprobs import RawLogprobs
 from contbatch.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 
-logger = logging.getLogger(__name__)
+
+@dataclass
+class _SeqOutput:
+    stop_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    cumulative_logprob: float = 0.0
+    finish: Finish | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        structured=None,  # a StructuredOutputManager, or None when no request uses grammars
+    ) -> None:
         self.tokenizer = tokenizer
-        self.detokenizers: dict[Request, IncrementalDetokenizer] = {}
-        self.finished_samples: dict[int, list[Request]] = {}
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.structured = structured
+        self.seqs: dict[int, _SeqOutput] = {}
+        self.finished_samples: dict[int, list[Request]] = {}  # request_id -> its finished samples
         self._token_text: dict[int, str] = {}
 
-    def process_token(self, request: Request, logprobs: RawLogprobs | None) -> None:
-        """Account for the token the scheduler just appended to ``request``."""
+    def process_token(self, request: Request, logprobs: RawLogprobs | None) -> Finish | None:
+        """Account for the token the scheduler just appended to ``request``; the finish it causes, if any."""
+        state = self._state(request)
         token = request.token_ids[-1]
-        if request.logprobs is not None and logprobs is not None:
-            request.logprobs.append(self._to_token_logprobs(logprobs))
-            request.cumulative_logprob += logprobs.logprob
-        if request.grammar is not None and not request.is_finished:
-            try:
-                request.grammar.accept(token)
-            except ValueError as exc:  # only an llguidance internal error gets past the mask
-                logger.warning("request %d sample %d: %s (%s); ending it", request.request_id,
-                               request.sample_index, exc, request.grammar.error)
-                request.finish("abort", None)
-            if request.grammar.is_finished:
-                request.finish("stop", None)
-        if self.tokenizer is None:
-            return
-        detokenizer = self.detokenizers.get(request)
-        if detokenizer is None:
-            detokenizer = self.detokenizers[request] = IncrementalDetokenizer(
-                self.tokenizer, request.params.skip_special_tokens
-            )
-        delta = detokenizer.add(token)
-        if delta and request.params.stop and not request.is_finished and not request.stops_suppressed:
-            self._check_stop_strings(request, detokenizer, len(delta))
+        now = time.time()
+        if request.num_output_tokens == 1:
+            state.first_token_time = now
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(self._to_token_logprobs(logprobs))
+            state.cumulative_logprob += logprobs.logprob
+        params = request.params
+        finish = token_finish(
+            token, state.stop_ids, params, request.num_output_tokens, request.num_tokens, self.max_model_len
+        )
+        if finish is None and self.structured is not None:
+            finish = self.structured.accept(request.seq_id, token)
+        if state.detokenizer is not None:
+            delta = state.detokenizer.add(token)
+            suppressed = request.num_output_tokens < params.min_tokens
+            if delta and params.stop and finish is None and not suppressed:
+                finish = self._stop_string_finish(request, state.detokenizer, len(delta))
+        if finish is not None:
+            state.finish, state.finished_time = finish, now
+        return finish
 
-    def record_prompt_logprobs(self, entries: list[tuple[Request, int, RawLogprobs]]) -> None:
-        for request, position, raw in entries:
+    def record_prompt_logprobs(self, entries: list[tuple[int, int, RawLogprobs]]) -> None:
+        """(seq_id, position, logprobs) of prompt tokens scored in a step."""
+        for seq_id, position, raw in entries:
+            state = self.seqs.get(seq_id)
             # Positions recomputed after a preemption are already recorded.
-            if request.prompt_logprobs is not None and position == len(request.prompt_logprobs):
-                request.prompt_logprobs.append(self._to_token_logprobs(raw))
+            if state is not None and state.prompt_logprobs is not None and position == len(state.prompt_logprobs):
+                state.prompt_logprobs.append(self._to_token_logprobs(raw))
+
+    def start(self, request: Request) -> None:
+        """Begin the request's state (its prompt logprobs arrive before any token)."""
+        self._state(request)
 
     def collect(self, finished: list[Request]) -> list[RequestOutput]:
         """RequestOutputs of prompts whose every sample has now finished."""
@@ -69,49 +98,50 @@ class OutputProcessor:
         return outputs
 
     def abort_all(self) -> None:
-        self.detokenizers.clear()
+        self.seqs.clear()
         self.finished_samples.clear()
 
-    def _check_stop_strings(self, request: Request, detokenizer: IncrementalDetokenizer, delta_length: int) -> None:
-        """End the request at the first stop string that the new text completes."""
+    def _state(self, request: Request) -> _SeqOutput:
+        state = self.seqs.get(request.seq_id)
+        if state is None:
+            params = request.params
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            state = self.seqs[request.seq_id] = _SeqOutput(
+                stop_ids=stop_token_ids(params, self.eos_token_ids),
+                detokenizer=detokenizer,
+                logprobs=[] if params.logprobs is not None else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and request.sample_index == 0 else None,
+            )
+        return state
+
+    def _stop_string_finish(self, request: Request, detokenizer: IncrementalDetokenizer, delta_length: int) -> Finish | None:
+        """The first stop string that the new text completes, with the text cut there."""
         stops = request.params.stop
         window = delta_length + max(len(s) for s in stops) - 1
         search_from = max(0, len(detokenizer.text) - window)
         matches = [(detokenizer.text.find(s, search_from), s) for s in stops]
         matches = [(at, s) for at, s in matches if at >= 0]
         if not matches:
-            return
+            return None
         at, stop = min(matches)
         cut = at + len(stop) if request.params.include_stop_str_in_output else at
         detokenizer.truncate(cut)
-        request.finish("stop", stop)
+        return Finish("stop", stop)
 
     def _request_output(self, samples: list[Request]) -> RequestOutput:
         first = samples[0]
-        completions = [self._completion(r) for r in samples]
+        states = [self.seqs.pop(r.seq_id) for r in samples]
         return RequestOutput(
             request_id=str(first.request_id),
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
+            outputs=[_completion(r, s) for r, s in zip(samples, states)],
             finished=True,
-            metrics=_merge_metrics(samples),
+            metrics=_merge_metrics(samples, states),
             num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=first.prompt_logprobs,
-        )
-
-    def _completion(self, request: Request) -> CompletionOutput:
-        detokenizer = self.detokenizers.pop(request, None)
-        if detokenizer is not None:
-            detokenizer.flush()
-        return CompletionOutput(
-            index=request.sample_index,
-            text=detokenizer.text if detokenizer is not None else "",
-            token_ids=request.output_token_ids,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=request.logprobs,
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            prompt_logprobs=states[0].prompt_logprobs,
         )
 
     def _to_token_logprobs(self, raw: RawLogprobs) -> TokenLogprobs:
@@ -131,13 +161,28 @@ class OutputProcessor:
         return text
 
 
-def _merge_metrics(samples: list[Request]) -> RequestMetrics:
-    first = samples[0].metrics
-    first_tokens = [r.metrics.first_token_time for r in samples if r.metrics.first_token_time is not None]
+def _completion(request: Request, state: _SeqOutput) -> CompletionOutput:
+    if state.detokenizer is not None:
+        state.detokenizer.flush()
+    finish = state.finish or Finish("abort")
+    return CompletionOutput(
+        index=request.sample_index,
+        text=state.detokenizer.text if state.detokenizer is not None else "",
+        token_ids=request.output_token_ids,
+        finish_reason=finish.reason,
+        stop_reason=finish.stop_reason,
+        logprobs=state.logprobs,
+        cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+    )
+
+
+def _merge_metrics(samples: list[Request], states: list[_SeqOutput]) -> RequestMetrics:
+    first = samples[0]
+    first_tokens = [s.first_token_time for s in states if s.first_token_time is not None]
     return RequestMetrics(
         arrival_time=first.arrival_time,
         first_scheduled_time=first.first_scheduled_time,
         first_token_time=min(first_tokens, default=None),
-        finished_time=max(r.metrics.finished_time or 0.0 for r in samples),
-        num_preemptions=sum(r.metrics.num_preemptions for r in samples),
+        finished_time=max(s.finished_time or 0.0 for s in states),
+        num_preemptions=sum(r.num_preemptions for r in samples),
     )

@@ -7,42 +7,21 @@ chunk of a long prompt), then waiting requests in arrival order (FCFS). When the
 block manager cannot give a running request its blocks, the blocks running
 requests took ahead of their tokens are released first; if that is not enough, the
 newest running request is preempted: its blocks are freed and it is recomputed later.
+
+The scheduler owns the requests (``Request``). What it hands on is plain data: a
+``SchedulerOutput`` of sequence ids, token counts and block-table changes, from which
+the model runner keeps its own batch state. Requests end only when the engine calls
+``finish`` (the output processor decides when).
 """
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from contbatch.engine.block_manager import BlockManager
 from contbatch.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work, consumed by the model runner."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from contbatch.engine.scheduler_output import NewSeq, ScheduledSeq, SchedulerOutput
+from contbatch.sampling_params import SamplingParams
 
 
 class Scheduler:
@@ -59,61 +38,90 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}  # seq_id -> every waiting or running request
         self.num_preemptions = 0
+        self._next_seq_id = 0
+        self._known_to_runner: set[int] = set()
+        self._ended: list[int] = []  # seq ids the runner knows that ended since the last step
 
-    def add_request(self, request: Request) -> None:
+    def add_request(
+        self, request_id: int, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params)
+        self.requests[request.seq_id] = request
         self.waiting.append(request)
+        return request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def abort(self, seq_id: int) -> None:
+        """Drop a request that has not run yet (its admission failed elsewhere)."""
+        request = self.requests.pop(seq_id)
+        self.waiting.remove(request)
+        self.block_manager.free(seq_id)
+
     def abort_all(self) -> None:
-        for request in self.running:
-            self.block_manager.free(request)
+        for request in [*self.running, *self.waiting]:
+            self.block_manager.free(request.seq_id)
+        self._ended.extend(self._known_to_runner)
+        self._known_to_runner.clear()
         self.running.clear()
         self.waiting.clear()
+        self.requests.clear()
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(finished_seq_ids=self._ended)
+        self._ended = []
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if output.num_preempted == 0:
             self._schedule_waiting(output, budget)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
-        """Advance computed counts and append sampled tokens; return the requests that got a token.
-
-        Finished requests stay in ``running`` until free_finished(), so the engine can
-        still end requests on text-level conditions (stop strings, grammars) first.
-        """
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance computed counts and append sampled tokens (``sampled``: seq_id -> token id);
+        return the requests that got a token, in the step's order."""
         advanced = []
         for item in output.scheduled:
-            request = item.request
+            request = self.requests[item.seq_id]
             request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_computed_blocks(request)
+            self.block_manager.cache_computed_blocks(request.seq_id, request.token_ids, request.num_computed_tokens)
             if request.samples_to_fork and request.num_computed_tokens == request.fork_point:
                 self._fork_samples(request)
-            token = sampled.get(request)
+            token = sampled.get(item.seq_id)
             if token is not None:
-                request.append_token(token, self.max_model_len)
+                request.token_ids.append(token)
                 advanced.append(request)
         return advanced
 
-    def free_finished(self) -> list[Request]:
-        """Remove finished requests from the running batch and release their blocks."""
-        finished = [r for r in self.running if r.is_finished]
-        if finished:
-            self.running = [r for r in self.running if not r.is_finished]
-            for request in finished:
-                self.block_manager.free(request)
+    def finish(self, seq_ids: Iterable[int]) -> list[Request]:
+        """End running requests: release their blocks and take them out of the batch."""
+        finished = [self.requests.pop(seq_id) for seq_id in seq_ids]
+        if not finished:
+            return finished
+        for request in finished:
+            request.status = RequestStatus.FINISHED
+            self.block_manager.free(request.seq_id)
+            self._known_to_runner.discard(request.seq_id)
+            self._ended.append(request.seq_id)
+        self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
 
     def _fork_samples(self, parent: Request) -> None:
         """Samples 1..n-1 share the parent's computed blocks; their first writes copy the shared partial block."""
         for index in range(1, parent.samples_to_fork + 1):
-            child = parent.fork(index)
-            self.block_manager.fork(parent, child)
+            child = parent.fork(self._new_seq_id(), index)
+            self.block_manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+            self.requests[child.seq_id] = child
             self.running.append(child)
         parent.samples_to_fork = 0
 
@@ -124,14 +132,14 @@ class Scheduler:
             num_new = min(self._tokens_to_compute(request), budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break
-            output.scheduled.append(ScheduledRequest(request, num_new))
+            self._add_scheduled(output, request, num_new)
             budget -= num_new
             index += 1
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
-        while not self.block_manager.allocate_slots(request, num_new):
-            if self.block_manager.release_lookahead(self.running):
+        while not self._allocate(request, num_new):
+            if self.block_manager.release_lookahead(self._token_counts()):
                 continue
             victim = self.running.pop()
             self._preempt(victim)
@@ -141,51 +149,80 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        self.block_manager.free(request.seq_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.metrics.num_preemptions += 1
+        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         # Samples still to be forked from running prompts hold their seats already.
         seats_taken = len(self.running) + sum(r.samples_to_fork for r in self.running)
+        caching = self.block_manager.enable_prefix_caching
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if seats_taken + 1 + request.samples_to_fork > self.max_num_seqs:
                 break
-            cached = self.block_manager.find_cached_prefix(request)
-            request.num_computed_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(self._tokens_to_compute(request), budget)
-            if not self._allocate_for_waiting(request, num_new, cached):
-                request.num_computed_tokens = 0
+            cached = self._cached_prefix(request)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(self._tokens_to_compute(request, num_cached), budget)
+            if not self._allocate_for_waiting(request, num_cached, num_new, cached):
                 break
             self.waiting.popleft()
             seats_taken += 1 + request.samples_to_fork
-            num_cached = request.num_computed_tokens
+            if caching:
+                output.num_prefix_queried_tokens += request.num_tokens
+                output.num_prefix_hit_tokens += num_cached
+            request.num_computed_tokens = num_cached
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
             request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.time()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             self.running.append(request)
             if request.samples_to_fork and num_cached == request.fork_point:
                 self._fork_samples(request)
-            output.scheduled.append(ScheduledRequest(request, num_new))
+            self._add_scheduled(output, request, num_new)
             budget -= num_new
 
-    def _allocate_for_waiting(self, request: Request, num_new: int, cached: list[int]) -> bool:
+    def _cached_prefix(self, request: Request) -> list[int]:
+        if request.params.prompt_logprobs is not None:  # every prompt position must be computed to score it
+            return []
+        return self.block_manager.find_cached_prefix(request.seq_id, request.token_ids)
+
+    def _allocate_for_waiting(self, request: Request, num_cached: int, num_new: int, cached: list[int]) -> bool:
         """A waiting request is worth more than blocks others took ahead: release them if needed."""
-        if self.block_manager.allocate_slots(request, num_new, cached):
+        if self._allocate(request, num_new, num_cached, cached):
             return True
-        return bool(self.block_manager.release_lookahead(self.running)) and self.block_manager.allocate_slots(
-            request, num_new, cached
+        return bool(self.block_manager.release_lookahead(self._token_counts())) and self._allocate(
+            request, num_new, num_cached, cached
         )
 
+    def _allocate(self, request: Request, num_new: int, num_computed: int | None = None, cached: list[int] = ()) -> bool:
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        blocks = self.block_manager.allocate(request.seq_id, computed, num_new, cached, request.final_num_tokens)
+        return blocks is not None
+
+    def _token_counts(self) -> list[tuple[int, int]]:
+        return [(r.seq_id, r.num_tokens) for r in self.running]
+
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        if request.seq_id not in self._known_to_runner:
+            self._known_to_runner.add(request.seq_id)
+            output.new_seqs.append(
+                NewSeq(request.seq_id, request.request_id, request.sample_index, request.params,
+                       tuple(request.prompt_token_ids))
+            )
+        table_start, new_blocks = self.block_manager.block_table_update(request.seq_id, end)
+        samples = end == request.num_tokens
+        output.scheduled.append(ScheduledSeq(request.seq_id, start, num_new, samples, table_start, tuple(new_blocks)))
+
     @staticmethod
-    def _tokens_to_compute(request: Request) -> int:
+    def _tokens_to_compute(request: Request, num_computed: int | None = None) -> int:
         """Tokens still to compute; a prompt with samples to fork stops at the fork point first."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        if request.samples_to_fork and request.num_computed_tokens < request.fork_point:
-            return min(remaining, request.fork_point - request.num_computed_tokens)
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        remaining = request.num_tokens - computed
+        if request.samples_to_fork and computed < request.fork_point:
+            return min(remaining, request.fork_point - computed)
         return remaining

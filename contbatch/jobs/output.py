@@ -22,8 +22,6 @@ from contbatch.jobs import fingerprints
 
 logger = logging.getLogger("contbatch.jobs")
 
-HANG_AT_ENV = "CONTBATCH_JOBS_TEST_HANG_AT"
-"""Test hook: hang half-way through writing this run's Nth record, leaving a torn line."""
 STDOUT = "-"
 """The output path that means standard output."""
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a character device"),
@@ -75,14 +73,9 @@ class ResultWriter:
         self.num_written = 0
         self._unsynced = 0
         self._last_sync = time.monotonic()
-        self._hang_at = int(os.environ.get(HANG_AT_ENV, "0"))
 
     def write(self, record: dict) -> None:
-        data = encode_line(record)
-        if self.num_written + 1 == self._hang_at:
-            _write_all(self.fd, data[: len(data) // 2])
-            time.sleep(3600)
-        _write_all(self.fd, data)
+        _write_all(self.fd, encode_line(record))
         self.num_written += 1
         self._unsynced += 1
         if self._unsynced >= self.fsync_every or time.monotonic() - self._last_sync >= self.fsync_interval:

@@ -95,6 +95,7 @@ def run_job(
     use_tqdm: bool = False,
     fsync_every: int = 1000,
     fsync_interval: float = 5.0,
+    on_result: Callable[[dict], None] | None = None,
 ) -> JobSummary:
     """Generate a completion for every record of ``input_path`` into ``output_path`` (JSONL).
 
@@ -137,6 +138,8 @@ def run_job(
             (atomically rewritten), so it keeps exactly one result per id.
         use_tqdm: show a progress bar.
         fsync_every, fsync_interval: fsync the output every this many records or seconds.
+        on_result: called with each result object (as above) right after its line is
+            written, e.g. to follow the job's progress.
 
     On SIGINT (in the main thread) no new records are started, in-flight ones finish
     and are written, and the summary has status "interrupted"; a second SIGINT
@@ -167,7 +170,7 @@ def run_job(
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
-        job = _Job(input_path, input_format, id_field, prompt_key, builder, writer, errors, on_error)
+        job = _Job(input_path, input_format, id_field, prompt_key, builder, writer, errors, on_error, on_result)
         try:
             if on_error == "stop":
                 job.validate_all()
@@ -261,6 +264,7 @@ class _Job:
         writer: ResultWriter | StdoutWriter,
         errors: ErrorLog,
         on_error: str,
+        on_result: Callable[[dict], None] | None,
     ) -> None:
         self.input_path = input_path
         self.input_format = input_format
@@ -270,6 +274,7 @@ class _Job:
         self.writer = writer
         self.errors = errors
         self.on_error = on_error
+        self.on_result = on_result
         self.already_done = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -348,10 +353,13 @@ class _Job:
         if output.error is not None:
             self._bad(BadRecord(record.line, record.id, output.error), stop)
             return
+        result = result_record(record.id, output, fingerprint)
         with stop.writing():
-            self.writer.write(result_record(record.id, output, fingerprint))
+            self.writer.write(result)
         self.prompt_tokens += len(output.prompt_token_ids)
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        if self.on_result is not None:
+            self.on_result(result)
 
     def _bad(self, item: BadRecord, stop: "_StopSignal") -> None:
         with stop.writing():

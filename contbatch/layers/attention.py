@@ -8,9 +8,13 @@ from contbatch import ops
 from contbatch.layers import flash_attention
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (key_cache, value_cache), each [num_blocks, num_kv_heads, block_size, head_dim]."""
+
+
 @dataclass
 class AttentionMetadata:
-    """Where a step's tokens live in the paged cache (layout: contbatch/ops/reference.py).
+    """Where a step's tokens live in the paged cache (layout: docs/design/kv_cache_layout.md).
 
     Passed explicitly through the model's forward: no global context.
     """

@@ -2,7 +2,7 @@
 
 flash-attn (the optional ``gpu`` extra) reads a paged cache laid out
 [num_blocks, block_size, kv_heads, head_size] with pages of a multiple of 256 tokens. Our
-cache is [num_blocks, kv_heads, block_size, head_size] (docs/kv_cache_layout.md), so the
+cache is [num_blocks, kv_heads, block_size, head_size] (docs/design/kv_cache_layout.md), so the
 same memory is handed over as a permuted view: flash-attn takes every stride but the last
 from the tensor. The engine picks 256-token blocks on CUDA when flash-attn is importable,
 and the extension's own CUDA kernel runs otherwise.

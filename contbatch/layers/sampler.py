@@ -26,15 +26,25 @@ class Penalties:
     output_ids: list[list[int]]
 
 
+@dataclass(frozen=True)
+class TokenMasks:
+    """Tokens some sequences may not sample next (structured outputs): row i of ``blocked``
+    belongs to ``seq_ids[i]``."""
+
+    seq_ids: list[int]
+    blocked: torch.Tensor  # [len(seq_ids), vocab_size] bool, True = not allowed
+
+
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [rows] float32, 0 = greedy
-    top_k: torch.Tensor  # [rows] int64, 0 = off
-    top_p: torch.Tensor  # [rows] float32, 1 = off
-    min_p: torch.Tensor  # [rows] float32, 0 = off
+    # Per-row settings, None when every row is greedy (argmax needs none of them).
+    temperatures: torch.Tensor | None  # [rows] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [rows] int64, 0 = off
+    top_p: torch.Tensor | None  # [rows] float32, 1 = off
+    min_p: torch.Tensor | None  # [rows] float32, 0 = off
     generators: list[torch.Generator | None]
     suppressed: list[tuple[int, list[int]]]  # (row, token ids masked out: min_tokens not yet reached)
-    grammars: list[tuple[int, object]]  # (row, GrammarMatcher) for structured outputs
+    masked: tuple[list[int], torch.Tensor] | None  # (rows, [len(rows), vocab] bool: True = not allowed)
     penalties: Penalties | None
     all_greedy: bool
 
@@ -44,7 +54,7 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         suppressed: list[tuple[int, list[int]]],
-        grammars: list[tuple[int, object]],
+        masked: tuple[list[int], torch.Tensor] | None,
         token_ids: list[tuple[list[int], list[int]]],
         device: torch.device,
     ) -> "SamplingBatch":
@@ -62,16 +72,17 @@ class SamplingBatch:
                 prompt_ids=[ids[0] for ids in token_ids],
                 output_ids=[ids[1] for ids in token_ids],
             )
+        all_greedy = all(p.greedy for p in params)
         return cls(
-            temperatures=column([p.temperature for p in params], torch.float32),
-            top_k=column([max(p.top_k, 0) for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
+            temperatures=None if all_greedy else column([p.temperature for p in params], torch.float32),
+            top_k=None if all_greedy else column([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=None if all_greedy else column([p.top_p for p in params], torch.float32),
+            min_p=None if all_greedy else column([p.min_p for p in params], torch.float32),
             generators=generators,
             suppressed=suppressed,
-            grammars=grammars,
+            masked=masked,
             penalties=penalties,
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=all_greedy,
         )
 
 
@@ -87,10 +98,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         logits[row, token_ids] = float("-inf")
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
-    if batch.grammars:
-        from contbatch.structured_outputs import fill_masks  # llguidance is only imported when used
-
-        fill_masks(logits, batch.grammars)
+    if batch.masked is not None:
+        _apply_masks(logits, *batch.masked)
     greedy_tokens = argmax(logits)
     if batch.all_greedy:
         return greedy_tokens
@@ -104,6 +113,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     noise = _exponential_noise(probs, batch.generators, generator)
     sampled = argmax(probs / noise)
     return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _apply_masks(logits: torch.Tensor, rows: list[int], blocked: torch.Tensor) -> None:
+    if blocked.shape[-1] != logits.shape[-1]:
+        raise ValueError(f"logits have {logits.shape[-1]} columns, the token masks {blocked.shape[-1]}")
+    blocked = blocked.to(logits.device, non_blocking=True)
+    # Row by row in place: cheaper than gathering the rows and scattering them back.
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(blocked[i], float("-inf"))
 
 
 def argmax(rows: torch.Tensor) -> torch.Tensor:

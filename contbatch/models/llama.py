@@ -9,13 +9,11 @@ import torch
 from torch import nn
 
 from contbatch.layers.activation import silu_and_mul
-from contbatch.layers.attention import AttentionMetadata, PagedAttention
+from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.layers.linear import Linear, PackedWeight, pack_linears, pack_weight, packed_linear
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):

@@ -1,21 +1,9 @@
 """Pure-PyTorch reference of every cache/attention op.
 
 These define the semantics the compiled kernels in ``csrc/`` must match, and
-serve as the fallback when the extension is not built.
-
-Cache layout (shared with csrc/ and docs/kv_cache_layout.md):
-    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
-    A token's *slot* is ``block_id * block_size + offset_in_block``.
-
-Varlen batch layout:
-    query:           [num_tokens, num_heads, head_size]   tokens of all sequences, flattened
-    query_start_loc: [num_seqs + 1] int32, cumulative query lengths (cu_seqlens_q)
-    seq_lens:        [num_seqs] int32, total context length of each sequence
-                     *including* this step's query tokens (already written to the cache)
-    block_tables:    [num_seqs, max_blocks_per_seq] int32, physical block ids
-    Query token i of a sequence with q_len queries and context seq_len sits at
-    position seq_len - q_len + i and attends keys at positions
-    max(0, pos - sliding_window + 1) .. pos (sliding_window <= 0 means no window).
+serve as the fallback when the extension is not built. The cache and varlen batch
+layouts (shapes, slots, block tables, which keys a query attends) are written down
+once, in docs/design/kv_cache_layout.md.
 """
 
 import torch

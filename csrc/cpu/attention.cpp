@@ -11,7 +11,7 @@
 // split into partitions whose partial softmax results are combined afterwards (split-K,
 // like vLLM's paged_attention_v2). Threads take items, most expensive first, from a
 // shared counter, so ragged batches (mixed prefill and decode) stay balanced.
-// Layouts: ../op_checks.h and attention_kernel_api.h.
+// Layouts: docs/design/kv_cache_layout.md (checked in ../op_checks.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -10,7 +10,7 @@
 //      registers, each V row loaded once per few rows: fp32 FMAs, or for bf16 on the
 //      AVX512_BF16 tier vdpbf16ps on bf16-rounded p (two keys per instruction, fp32 sums;
 //      see simd_avx512.h).
-// Layouts: attention_kernel_api.h.
+// Layouts: docs/design/kv_cache_layout.md (the arguments: attention_kernel_api.h).
 
 constexpr int kChunk = kLanes;  // key positions per chunk: one vector of scores per row
 constexpr float kLog2e = 1.44269504088896341f;

@@ -2,12 +2,7 @@
 // (kernels_<tier>.cpp, see kernel_set.h). No ATen here: the kernel translation
 // units are compiled with other target ISAs and must not share inline code with the rest.
 //
-// Layouts (see docs/kv_cache_layout.md):
-//   query, out:              [num_tokens, num_heads, head_size], any token/head strides
-//   key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], contiguous
-//   block_tables:            [num_seqs, max_blocks_per_seq] int32
-// A key position p of sequence s lives at block block_tables[s][p / block_size],
-// row p % block_size.
+// Layouts: docs/design/kv_cache_layout.md (query and out with any token/head strides, given below).
 #pragma once
 
 #include <cstdint>

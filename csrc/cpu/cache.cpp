@@ -1,5 +1,5 @@
 // CPU reshape_and_cache and copy_blocks: row and block copies into the paged cache.
-// Layouts: ../op_checks.h.
+// Layouts: docs/design/kv_cache_layout.md (checked in ../op_checks.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 

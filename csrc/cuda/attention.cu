@@ -1,8 +1,5 @@
 // CUDA paged_attention: causal varlen attention over the paged cache, fp32 accumulation.
-//   query, out:              [num_tokens, num_heads, head_size], last dim contiguous
-//   key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], contiguous
-//   block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context incl.
-//   this step's queries); query_start_loc [num_seqs + 1] int32.
+// Layouts: docs/design/kv_cache_layout.md (checked in ../op_checks.h).
 // One thread block per (query token, query head): decode is one block per (sequence, head).
 // Its warps take keys round-robin; a warp scores one key at a time (lanes split head_size,
 // a shuffle reduction sums), keeps an online softmax (running max m, sum l, acc[head_size]

@@ -1,6 +1,5 @@
-// CUDA reshape_and_cache and copy_blocks. Layouts: ../op_checks.h.
-//   key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size], contiguous
-//   slot = block_id * block_size + offset_in_block; slot < 0 skips the token.
+// CUDA reshape_and_cache and copy_blocks.
+// Layouts: docs/design/kv_cache_layout.md (checked in ../op_checks.h); a slot < 0 skips the token.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>

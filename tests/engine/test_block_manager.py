@@ -1,38 +1,69 @@
 """Block manager: prefix-cache eviction order, copy-on-write on forked requests, refusal without
 side effects, and blocks taken ahead (contiguous, capped, above the floor, released on demand)."""
 
+from dataclasses import dataclass, field
+
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from contbatch.engine.block_manager import BlockManager
-from contbatch.engine.request import Request
-from contbatch.sampling_params import SamplingParams
 
 
-def _request(request_id: int, tokens: list[int], max_tokens: int = 16) -> Request:
-    return Request(request_id, None, tokens, SamplingParams(temperature=0, max_tokens=max_tokens), frozenset())
+@dataclass
+class _Seq:
+    """What the scheduler knows of a sequence and passes to the block manager."""
+
+    seq_id: int
+    token_ids: list[int]
+    max_tokens: int
+    num_computed_tokens: int = 0
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
 
-def _compute(manager: BlockManager, request: Request, num_tokens: int) -> None:
-    assert manager.allocate_slots(request, num_tokens)
-    request.num_computed_tokens += num_tokens
-    manager.cache_computed_blocks(request)
+def _request(seq_id: int, tokens: list[int], max_tokens: int = 16) -> _Seq:
+    return _Seq(seq_id, list(tokens), max_tokens)
+
+
+def _allocate(manager: BlockManager, seq: _Seq, num_tokens: int, cached: list[int] = ()) -> bool:
+    final = seq.num_prompt_tokens + seq.max_tokens
+    return manager.allocate(seq.seq_id, seq.num_computed_tokens, num_tokens, cached, final) is not None
+
+
+def _compute(manager: BlockManager, seq: _Seq, num_tokens: int) -> None:
+    assert _allocate(manager, seq, num_tokens)
+    seq.num_computed_tokens += num_tokens
+    manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+
+def _counts(seqs: list[_Seq]) -> list[tuple[int, int]]:
+    return [(s.seq_id, s.num_tokens) for s in seqs]
 
 
 def test_freed_prefix_blocks_are_reused_until_evicted_lru():
     manager = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     first = _request(0, [10, 11, 12, 13, 14])
     _compute(manager, first, 5)
-    manager.free(first)
+    manager.free(first.seq_id)
     assert manager.num_free_blocks == 4
 
     again = _request(1, [10, 11, 12, 13, 99])
-    assert len(manager.find_cached_prefix(again)) == 2
+    assert len(manager.find_cached_prefix(again.seq_id, again.token_ids)) == 2
 
     # Filling the cache with other content evicts the old prefix, least recently freed first.
     other = _request(2, [50, 51, 52, 53, 54, 55, 56, 57])
     _compute(manager, other, 8)
-    assert manager.find_cached_prefix(_request(3, [10, 11, 12, 13, 99])) == []
+    assert manager.find_cached_prefix(3, [10, 11, 12, 13, 99]) == []
 
 
 def test_fork_then_write_copies_the_shared_partial_block():
@@ -41,13 +72,17 @@ def test_fork_then_write_copies_the_shared_partial_block():
     _compute(manager, parent, 6)
     child = _request(1, list(parent.token_ids))
     child.num_computed_tokens = parent.num_computed_tokens
-    manager.fork(parent, child)
-    assert [manager.ref_counts[b] for b in parent.block_ids] == [2, 2]
+    manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+    parent_blocks = manager.block_ids(parent.seq_id)
+    assert [manager.ref_counts[b] for b in parent_blocks] == [2, 2]
+    assert manager.block_table_update(child.seq_id, 6) == (0, parent_blocks)
 
-    assert manager.allocate_slots(child, 1)
+    assert _allocate(manager, child, 1)
     (source, copy), = manager.take_pending_copies()
-    assert source == parent.block_ids[1] and copy == child.block_ids[1] and copy != source
-    assert child.block_ids[0] == parent.block_ids[0], "the full block stays shared"
+    child_blocks = manager.block_ids(child.seq_id)
+    assert source == parent_blocks[1] and copy == child_blocks[1] and copy != source
+    assert child_blocks[0] == parent_blocks[0], "the full block stays shared"
+    assert manager.block_table_update(child.seq_id, 7) == (1, [copy]), "the runner's table swaps in the copy"
     assert manager.ref_counts[source] == 1 and manager.ref_counts[copy] == 1
 
 
@@ -61,18 +96,18 @@ def test_fork_then_write_copies_the_shared_partial_block():
 def test_failed_allocation_changes_nothing(num_blocks, block_size, held, asked):
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True, lookahead_tokens=0)
     holder = _request(0, list(range(3, 3 + max(held, 1))))
-    manager.allocate_slots(holder, min(held, num_blocks * block_size))
+    _allocate(manager, holder, min(held, num_blocks * block_size))
     before = (list(manager.ref_counts), manager.free_block_ids())
     request = _request(1, list(range(3, 3 + asked)))
-    ok = manager.allocate_slots(request, asked)
+    ok = _allocate(manager, request, asked)
     if ok:
-        assert len(request.block_ids) == manager.blocks_needed(asked)
+        assert len(manager.block_ids(1)) == manager.blocks_needed(asked)
     else:
-        assert (list(manager.ref_counts), manager.free_block_ids()) == before and request.block_ids == []
+        assert (list(manager.ref_counts), manager.free_block_ids()) == before and manager.block_ids(1) == []
         assert manager.blocks_needed(asked) > manager.num_free_blocks
 
 
-def _decode_in_turns(manager: BlockManager, requests: list[Request], steps: int) -> None:
+def _decode_in_turns(manager: BlockManager, requests: list[_Seq], steps: int) -> None:
     """Prefill every request, then grow them one token each per step, as a running batch does."""
     for request in requests:
         _compute(manager, request, request.num_tokens)
@@ -87,9 +122,10 @@ def test_blocks_taken_ahead_keep_each_sequence_contiguous():
         manager = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False, lookahead_tokens=lookahead_tokens)
         requests = [_request(i, [3 + i] * 5, max_tokens=30) for i in range(4)]
         _decode_in_turns(manager, requests, steps=30)
-        for request in requests:
-            assert len(request.block_ids) == manager.blocks_needed(request.num_tokens)
-        return sum(b - a != 1 for r in requests for a, b in zip(r.block_ids, r.block_ids[1:]))
+        tables = [manager.block_ids(r.seq_id) for r in requests]
+        for request, table in zip(requests, tables):
+            assert len(table) == manager.blocks_needed(request.num_tokens)
+        return sum(b - a != 1 for table in tables for a, b in zip(table, table[1:]))
 
     assert block_gaps(lookahead_tokens=0) > 0, "interleaved growth scatters blocks without lookahead"
     assert block_gaps(lookahead_tokens=64) == 0
@@ -114,29 +150,33 @@ def test_lookahead_is_capped_and_leaves_the_floor_free(num_blocks, block_size, l
                     continue
                 request.token_ids.append(7)
             free_before = manager.num_free_blocks
-            blocks_before = len(request.block_ids)
+            blocks_before = len(manager.block_ids(request.seq_id))
             new_tokens = request.num_tokens - request.num_computed_tokens
-            if not manager.allocate_slots(request, new_tokens):
+            if not _allocate(manager, request, new_tokens):
                 continue
             request.num_computed_tokens = request.num_tokens
             needed = manager.blocks_needed(request.num_tokens)
             final = request.num_prompt_tokens + max_tokens
-            assert needed <= len(request.block_ids) <= max(
+            num_blocks_now = len(manager.block_ids(request.seq_id))
+            assert needed <= num_blocks_now <= max(
                 needed, manager.blocks_needed(min(final, request.num_tokens + lookahead_tokens))
             ), "more blocks than the request's final length or the lookahead"
-            taken_ahead = len(request.block_ids) - max(needed, blocks_before)
+            taken_ahead = num_blocks_now - max(needed, blocks_before)
             if taken_ahead > 0:
                 assert manager.num_free_blocks >= manager.lookahead_floor
-            assert free_before - manager.num_free_blocks == len(request.block_ids) - blocks_before
+            assert free_before - manager.num_free_blocks == num_blocks_now - blocks_before
+            start, shown = manager.block_table_update(request.seq_id, request.num_tokens)
+            assert start + len(shown) == needed, "the runner sees exactly the blocks of its tokens"
 
-    released = manager.release_lookahead(requests)
-    for request in requests:  # a request whose last allocation failed has fewer blocks than tokens
+    released = manager.release_lookahead(_counts(requests))
+    tables = [manager.block_ids(r.seq_id) for r in requests]
+    for request, table in zip(requests, tables):  # a request whose last allocation failed has fewer blocks than tokens
         needed_now = manager.blocks_needed(request.num_computed_tokens)
-        assert needed_now <= len(request.block_ids) <= manager.blocks_needed(request.num_tokens)
-    in_use = sum(len(r.block_ids) for r in requests)
+        assert needed_now <= len(table) <= manager.blocks_needed(request.num_tokens)
+    in_use = sum(len(t) for t in tables)
     assert manager.num_free_blocks == num_blocks - in_use
     assert released >= 0 and sorted(manager.free_block_ids()) == sorted(
-        set(range(num_blocks)) - {b for r in requests for b in r.block_ids}
+        set(range(num_blocks)) - {b for t in tables for b in t}
     )
 
 
@@ -146,26 +186,26 @@ def test_released_blocks_are_reused_before_cached_prefixes():
                            freed_block_reserve=8)
     cached = _request(0, [10, 11, 12, 13, 14], max_tokens=1)
     _compute(manager, cached, 5)
-    manager.free(cached)  # its two full blocks stay in the prefix cache
+    manager.free(cached.seq_id)  # its two full blocks stay in the prefix cache
     grower = _request(1, [20, 21, 22], max_tokens=20)
     _compute(manager, grower, 3)
-    assert len(grower.block_ids) > manager.blocks_needed(3), "took blocks ahead"
-    assert manager.release_lookahead([grower]) > 0
+    assert len(manager.block_ids(grower.seq_id)) > manager.blocks_needed(3), "took blocks ahead"
+    assert manager.release_lookahead(_counts([grower])) > 0
     other = _request(2, [30, 31, 32, 33, 34, 35], max_tokens=1)
     _compute(manager, other, 6)
-    assert len(manager.find_cached_prefix(_request(3, [10, 11, 12, 13, 99]))) == 2
+    assert len(manager.find_cached_prefix(3, [10, 11, 12, 13, 99])) == 2
 
 
 def _run_one_at_a_time(manager: BlockManager, prompts: list[list[int]]) -> None:
     """Prefill each prompt alone, taking its cached prefix as the scheduler does, then free it."""
     for i, tokens in enumerate(prompts):
         request = _request(i, tokens, max_tokens=1)
-        cached = manager.find_cached_prefix(request)
+        cached = manager.find_cached_prefix(request.seq_id, request.token_ids)
         request.num_computed_tokens = len(cached) * manager.block_size
-        assert manager.allocate_slots(request, len(tokens) - request.num_computed_tokens, cached)
+        assert _allocate(manager, request, len(tokens) - request.num_computed_tokens, cached)
         request.num_computed_tokens = len(tokens)
-        manager.cache_computed_blocks(request)
-        manager.free(request)
+        manager.cache_computed_blocks(request.seq_id, request.token_ids, request.num_computed_tokens)
+        manager.free(request.seq_id)
 
 
 def test_memory_is_touched_only_up_to_the_peak_use_plus_the_reserve():
@@ -195,5 +235,5 @@ def test_freed_prefixes_within_the_reserve_stay_cached(reserve, num_prefixes, re
     # reserve // 2 requests' two blocks each, whose full blocks keep their prefix.
     kept = min(num_prefixes, reserve // 2)
     for i in range(num_prefixes - kept, num_prefixes):
-        assert manager.find_cached_prefix(_request(99, [100 + i, 200 + i, 8])) != [], f"prefix {i} was evicted"
+        assert manager.find_cached_prefix(99, [100 + i, 200 + i, 8]) != [], f"prefix {i} was evicted"
     assert manager.next_untouched <= 2 + reserve + 1

@@ -6,24 +6,44 @@ context positions to its own tokens. So any bookkeeping error (a leaked, shared,
 evicted or mis-hashed block) shows up as a sequence attending to wrong K/V.
 """
 
+from dataclasses import dataclass
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
 from contbatch.engine.block_manager import BlockManager
 from contbatch.engine.request import Request
-from contbatch.engine.scheduler import Scheduler, SchedulerOutput
+from contbatch.engine.scheduler import Scheduler
+from contbatch.engine.scheduler_output import SchedulerOutput
+from contbatch.engine.stopping import Finish, stop_token_ids, token_finish
 from contbatch.sampling_params import SamplingParams
 
 EOS = 2
 VOCAB = 50
 
 
+@dataclass
+class _FakeSeq:
+    request_id: int
+    sample_index: int
+    token_ids: list[int]
+    block_table: list[int]
+
+
 class FakeRunner:
+    """Keeps its own sequences from the scheduler's plain output, as the model runner does."""
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.slots: dict[int, tuple[int, int]] = {}
+        self.seqs: dict[int, _FakeSeq] = {}
 
-    def execute(self, step: SchedulerOutput) -> dict[Request, int]:
+    def execute(self, step: SchedulerOutput) -> dict[int, int]:
+        for seq_id in step.finished_seq_ids:
+            del self.seqs[seq_id]
+        for new in step.new_seqs:
+            assert new.seq_id not in self.seqs
+            self.seqs[new.seq_id] = _FakeSeq(new.request_id, new.sample_index, list(new.token_ids), [])
         for source, destination in step.blocks_to_copy:
             for offset in range(self.block_size):
                 copied = self.slots.get(source * self.block_size + offset)
@@ -31,26 +51,48 @@ class FakeRunner:
                     self.slots[destination * self.block_size + offset] = copied
         sampled = {}
         for item in step.scheduled:
-            request = item.request
-            start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
-            assert len(request.block_ids) * self.block_size >= end, "too few blocks for the step's tokens"
+            seq = self.seqs[item.seq_id]
+            seq.block_table[item.table_start :] = item.new_block_ids
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            assert len(seq.block_table) == -(-end // self.block_size), "not exactly the blocks of the step's tokens"
+            assert item.samples == (end == len(seq.token_ids))
             for position in range(start, end):
-                self.slots[self._slot(request, position)] = (request.token_ids[position], position)
+                self.slots[self._slot(seq, position)] = (seq.token_ids[position], position)
             for position in range(end):
-                assert self.slots.get(self._slot(request, position)) == (request.token_ids[position], position), (
-                    f"request {request.request_id} would attend to wrong K/V at position {position}"
+                assert self.slots.get(self._slot(seq, position)) == (seq.token_ids[position], position), (
+                    f"request {seq.request_id} would attend to wrong K/V at position {position}"
                 )
             if item.samples:
-                sampled[request] = _next_token(request)
+                sampled[item.seq_id] = _next_token(seq)
+                seq.token_ids.append(sampled[item.seq_id])
         return sampled
 
-    def _slot(self, request: Request, position: int) -> int:
-        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+    def _slot(self, seq: _FakeSeq, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
 
-def _next_token(request: Request) -> int:
+def _next_token(seq: _FakeSeq) -> int:
     """Deterministic per request, sample and length, with EOS now and then."""
-    return (request.request_id * 31 + request.sample_index * 7 + request.num_tokens * 17) % VOCAB
+    return (seq.request_id * 31 + seq.sample_index * 7 + len(seq.token_ids) * 17) % VOCAB
+
+
+def _step(scheduler: Scheduler, runner: FakeRunner, finishes: dict[int, Finish] | None = None) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step: schedule, run, append, end requests on their tokens (as the output processor does)."""
+    step = scheduler.schedule()
+    ended = {}
+    for request in scheduler.update(step, runner.execute(step)):
+        stops = stop_token_ids(request.params, frozenset({EOS}))
+        finish = token_finish(request.token_ids[-1], stops, request.params, request.num_output_tokens,
+                              request.num_tokens, scheduler.max_model_len)
+        if finish is not None:
+            ended[request.seq_id] = finish
+    if finishes is not None:
+        finishes.update(ended)
+    return step, scheduler.finish(ended)
+
+
+def _add(scheduler: Scheduler, request_id: int, prompt: list[int], params: SamplingParams) -> Request:
+    return scheduler.add_request(request_id, None, prompt, params)
 
 
 def _prompts(draw, count: int) -> list[list[int]]:
@@ -92,24 +134,21 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
     manager = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"], w["lookahead_tokens"])
     scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
     runner = FakeRunner(w["block_size"])
-    requests = []
     for index, (prompt, max_tokens, n) in enumerate(zip(w["prompts"], w["max_tokens"], w["n"])):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=w["ignore_eos"], n=n)
-        request = Request(index, None, prompt, params, frozenset({EOS}))
-        requests.append(request)
-        scheduler.add_request(request)
+        _add(scheduler, index, prompt, params)
 
     finished: list[Request] = []
+    finishes: dict[int, Finish] = {}
     for _ in range(10_000):
         if not scheduler.has_unfinished():
             break
-        step = scheduler.schedule()
+        step, ended = _step(scheduler, runner, finishes)
         assert not step.is_empty, "no progress with requests waiting"
         assert step.num_batched_tokens <= w["budget"]
         assert len(step.scheduled) <= w["max_num_seqs"]
-        assert len({id(s.request) for s in step.scheduled}) == len(step.scheduled)
-        scheduler.update(step, runner.execute(step))
-        finished.extend(scheduler.free_finished())
+        assert len({s.seq_id for s in step.scheduled}) == len(step.scheduled)
+        finished.extend(ended)
         _check_block_invariants(manager, scheduler.running)
     assert not scheduler.has_unfinished()
 
@@ -117,19 +156,19 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
     assert sorted((r.request_id, r.sample_index) for r in finished) == expected, "every sample finishes exactly once"
     for request in finished:
         assert request.prompt_token_ids == w["prompts"][request.request_id]
-        _check_stopping(request, w["max_model_len"])
+        _check_stopping(request, finishes[request.seq_id], w["max_model_len"])
     assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
     assert all(count == 0 for count in manager.ref_counts)
 
 
-def _check_stopping(request: Request, max_model_len: int) -> None:
+def _check_stopping(request: Request, finish: Finish, max_model_len: int) -> None:
     outputs = request.output_token_ids
     assert len(outputs) >= 1
     expected_length = min(request.params.max_tokens, max_model_len - request.num_prompt_tokens)
-    if request.finish_reason == "stop":
+    if finish.reason == "stop":
         assert outputs[-1] == EOS and EOS not in outputs[:-1] and not request.params.ignore_eos
     else:
-        assert request.finish_reason == "length"
+        assert finish.reason == "length"
         assert len(outputs) == expected_length
         assert request.params.ignore_eos or EOS not in outputs
 
@@ -137,7 +176,7 @@ def _check_stopping(request: Request, max_model_len: int) -> None:
 def _check_block_invariants(manager: BlockManager, running: list[Request]) -> None:
     holders = [0] * manager.num_blocks
     for request in running:
-        for block in request.block_ids:
+        for block in manager.block_ids(request.seq_id):
             holders[block] += 1
     assert holders == manager.ref_counts, "reference counts differ from the blocks requests hold"
     assert set(manager.free_block_ids()) == {b for b, count in enumerate(manager.ref_counts) if count == 0}
@@ -151,31 +190,24 @@ def test_prefix_cache_hit_is_capped_below_prompt_length():
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     runner = FakeRunner(4)
     prompt = list(range(3, 11))  # exactly two full blocks
-    first = Request(0, None, prompt, SamplingParams(temperature=0, max_tokens=1), frozenset())
-    scheduler.add_request(first)
-    step = scheduler.schedule()
-    scheduler.update(step, runner.execute(step))
-    assert scheduler.free_finished() == [first]
-    second = Request(1, None, list(prompt), SamplingParams(temperature=0, max_tokens=1), frozenset())
-    scheduler.add_request(second)
+    first = _add(scheduler, 0, prompt, SamplingParams(temperature=0, max_tokens=1))
+    assert _step(scheduler, runner)[1] == [first]
+    second = _add(scheduler, 1, list(prompt), SamplingParams(temperature=0, max_tokens=1))
     step = scheduler.schedule()
     assert second.num_computed_tokens == 4, "one block reused, the last block recomputed"
     assert step.scheduled[0].num_new_tokens == 4
-    assert manager.num_cache_hits == 4
+    assert step.num_prefix_hit_tokens == 4
 
 
 def test_preemption_frees_newest_and_recomputes():
     manager = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16)
     runner = FakeRunner(4)
-    requests = [Request(i, None, [5, 6, 7], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), frozenset()) for i in range(3)]
-    for request in requests:
-        scheduler.add_request(request)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = [_add(scheduler, i, [5, 6, 7], params) for i in range(3)]
     finished = []
     while scheduler.has_unfinished():
-        step = scheduler.schedule()
-        scheduler.update(step, runner.execute(step))
-        finished += scheduler.free_finished()
+        finished += _step(scheduler, runner)[1]
     assert scheduler.num_preemptions > 0
     assert sorted(r.request_id for r in finished) == [0, 1, 2]
     assert all(len(r.output_token_ids) == 12 for r in requests)
@@ -188,13 +220,11 @@ def _run_to_completion(pool_blocks: int, lookahead_tokens: int, count: int = 6) 
     runner = FakeRunner(4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for index in range(count):
-        scheduler.add_request(Request(index, None, [3 + index] * 5, params, frozenset()))
+        _add(scheduler, index, [3 + index] * 5, params)
     admitted = None
     while scheduler.has_unfinished():
-        step = scheduler.schedule()
+        step, _ = _step(scheduler, runner)
         admitted = len(step.scheduled) if admitted is None else admitted
-        scheduler.update(step, runner.execute(step))
-        scheduler.free_finished()
         _check_block_invariants(manager, scheduler.running)
     return scheduler.num_preemptions, admitted
 
@@ -216,18 +246,15 @@ def test_a_running_request_grows_into_blocks_another_took_ahead():
     manager = BlockManager(10, 4, enable_prefix_caching=False, lookahead_tokens=64)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     runner = FakeRunner(4)
-    first = Request(0, None, [3] * 4, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True), frozenset())
-    second = Request(1, None, [4] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), frozenset())
-    scheduler.add_request(first)
+    first = _add(scheduler, 0, [3] * 4, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+    second = None
     for step_index in range(100):
         if not scheduler.has_unfinished():
             break
         if step_index == 1:
-            assert len(first.block_ids) == 8, "the first request took blocks ahead"
-            scheduler.add_request(second)
-        step = scheduler.schedule()
-        scheduler.update(step, runner.execute(step))
-        scheduler.free_finished()
+            assert len(manager.block_ids(first.seq_id)) == 8, "the first request took blocks ahead"
+            second = _add(scheduler, 1, [4] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        _step(scheduler, runner)
         _check_block_invariants(manager, scheduler.running)
     assert not scheduler.has_unfinished()
     assert scheduler.num_preemptions == 0

@@ -39,11 +39,12 @@ def cli_command(input_path: Path, output_path: Path, model_dir: Path, *extra: st
     ]
 
 
-def cli_env(**extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+def cli_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-def start_cli(command: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen(command, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_cli(command: list[str]) -> subprocess.Popen:
+    """``command`` (the CLI, or a Python child that imports contbatch) in the background, its output piped."""
+    return subprocess.Popen(command, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,24 +1,26 @@
 """Jobs killed (SIGKILL) or interrupted (SIGINT) part-way, then resumed, lose and duplicate nothing.
 
-The job runs as `python -m contbatch generate` in a subprocess; the reference is an
-uninterrupted in-process run of the same greedy job.
+The job runs as `python -m contbatch generate` in a subprocess, or, to be killed mid-write,
+as tests/jobs/hanging_job.py (run_job with the same settings and a hook that tears a line and
+hangs); the reference is an uninterrupted in-process run of the same greedy job.
 """
 
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from contbatch import SamplingParams
 from contbatch.jobs import run_job
-from contbatch.jobs.output import HANG_AT_ENV
 from tests.jobs.helpers import cli_command, cli_env, prompt_records, read_jsonl, start_cli, write_jsonl
 
 NUM_PROMPTS = 300
 GREEDY = SamplingParams(temperature=0, max_tokens=8)  # what cli_command asks for
 ENGINE_FLAGS = ("--max-num-seqs", "16", "--fsync-every", "50")  # small batches: results trickle out
+# hanging_job.py runs run_job with the settings of cli_command(...) with ENGINE_FLAGS: keep them alike.
 STARTUP_TIMEOUT_S = 120
 
 
@@ -33,6 +35,11 @@ def reference(crash_input, chat_model_dir, chat_llm, tmp_path_factory) -> dict:
     summary = run_job(crash_input, output, model=chat_model_dir, llm=chat_llm, sampling_params=GREEDY)
     assert summary.written == NUM_PROMPTS
     return {record["id"]: record for record in read_jsonl(output)}
+
+
+def _hanging_job(input_path, output, model_dir, count: int) -> list[str]:
+    """The job's command, hanging after its ``count``th result with half a line appended."""
+    return [sys.executable, "-m", "tests.jobs.hanging_job", str(input_path), str(output), str(model_dir), str(count)]
 
 
 def _torn(path) -> bool:
@@ -76,8 +83,8 @@ def test_sigkill_at_random_moments_then_resume(crash_input, reference, chat_mode
     rng = random.Random(seed)
     for round_number in range(4):
         before = _lines(output)
-        if round_number % 2 == 0:  # killed mid-write: the hook hangs half-way through a record
-            process = start_cli(command, **{HANG_AT_ENV: str(rng.randint(1, 40))})
+        if round_number % 2 == 0:  # killed mid-write: the hook leaves half a line and hangs
+            process = start_cli(_hanging_job(crash_input, output, chat_model_dir, rng.randint(1, 40)))
             _wait_for(lambda: _torn(output), process, "a torn line")
             _kill(process)
         else:  # killed at a random point of its progress; first it repairs the torn line

@@ -1,6 +1,7 @@
-"""Where results go: standard output with ``-o -`` (no resume, nothing beside it), and output
-paths that are not regular files refused before the model loads. The command line runs as a
-subprocess, its stdout a pipe, with a timeout so that a hang fails."""
+"""Where results go: standard output with ``-o -`` (no resume, nothing beside it), output
+paths that are not regular files refused before the model loads, and run_job's ``on_result``
+hook called after each line is written. The command line runs as a subprocess, its stdout a
+pipe, with a timeout so that a hang fails."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from contbatch.jobs import OutputError
-from tests.jobs.helpers import cli_command, cli_env, write_jsonl
+from tests.jobs.helpers import cli_command, cli_env, read_jsonl, write_jsonl
 
 TIMEOUT_S = 120
 
@@ -51,3 +52,11 @@ def test_a_directory_output_is_refused_before_the_model_loads(run, source, tmp_p
     (tmp_path / "out.jsonl").mkdir()
     with pytest.raises(OutputError, match="is a directory"):
         run(source, llm=None)
+
+
+def test_on_result_gets_each_result_after_its_line_is_written(run, source, tmp_path):
+    output = tmp_path / "out.jsonl"
+    seen = []
+    run(source, on_result=lambda result: seen.append((result, output.read_bytes().count(b"\n"))))
+    assert [result for result, _ in seen] == read_jsonl(output)
+    assert [lines for _, lines in seen] == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""Random paged KV caches and varlen batches for the op tests (layout: contbatch/ops/reference.py)."""
+"""Random paged KV caches and varlen batches for the op tests (layout: docs/design/kv_cache_layout.md)."""
 
 from contextlib import contextmanager
 from dataclasses import dataclass, fields

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from contbatch.structured_outputs import GrammarCompiler
+from contbatch.structured_outputs.grammar import GrammarCompiler
 
 EOS_ID = 2  # <|im_end|>, SmolLM2's EOS
 VOCAB_SIZE = 49152

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contbatch.structured_outputs import GrammarMatcher
+from contbatch.structured_outputs.grammar import GrammarMatcher
 
 CLOSERS = '"}],'
 LOOKAHEAD_SAMPLE = 300

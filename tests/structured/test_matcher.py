@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from contbatch.structured_outputs import GrammarCompiler, StructuredOutputsParams, fill_masks
+from contbatch.layers.sampler import _apply_masks
+from contbatch.structured_outputs import StructuredOutputsParams
+from contbatch.structured_outputs.grammar import GrammarCompiler, blocked_tokens
 from tests.structured.conftest import EOS_ID, VOCAB_SIZE
 
 YES_NO = StructuredOutputsParams(choice=["yes", "no"])
@@ -74,7 +76,7 @@ def test_json_is_written_with_json_dumps_separators_unless_the_schema_says_other
     accept_text(tokenizer, compiler.matcher(StructuredOutputsParams(json=flexible)), '{"a":1 ,\n "b":[ ]}')
 
 
-def test_fill_masks_equals_fill_mask_per_row(tokenizer, compiler):
+def test_batched_masks_equal_fill_mask_per_row(tokenizer, compiler):
     specs = [YES_NO, PERSON, StructuredOutputsParams(regex=r"\d+"), PERSON]
     matchers = [compiler.matcher(spec) for spec in specs]
     accept_text(tokenizer, matchers[3], '{"a": 7')
@@ -83,9 +85,8 @@ def test_fill_masks_equals_fill_mask_per_row(tokenizer, compiler):
     expected = logits.clone()
     for row, matcher in zip(rows, matchers):
         matcher.fill_mask(expected[row])
-    fill_masks(logits, list(zip(rows, matchers)))
+    _apply_masks(logits, rows, blocked_tokens(matchers))
     assert torch.equal(logits, expected)
-    fill_masks(logits, [])
 
 
 def test_logits_of_the_wrong_width_are_refused(compiler):
@@ -93,7 +94,7 @@ def test_logits_of_the_wrong_width_are_refused(compiler):
     with pytest.raises(ValueError, match="columns"):
         matcher.fill_mask(torch.zeros(VOCAB_SIZE + 1))
     with pytest.raises(ValueError, match="columns"):
-        fill_masks(torch.zeros(2, VOCAB_SIZE - 1), [(0, matcher)])
+        _apply_masks(torch.zeros(2, VOCAB_SIZE - 1), [0], blocked_tokens([matcher]))
 
 
 def test_matchers_of_one_spec_are_independent(tokenizer, compiler):

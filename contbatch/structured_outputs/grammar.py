@@ -1,20 +1,13 @@
-"""Structured outputs: constrain a request's output to a choice, a regex or a JSON schema.
+"""The llguidance side of structured outputs: compiled grammars and per-sequence matchers.
 
-Built on llguidance rather than xgrammar (both run on the CPU): llguidance builds its
-token masks lazily from the tokenizer's trie at each step, so a new schema needs no
-per-vocabulary precompilation (labeling jobs send many distinct schemas), it installs as
-one self-contained wheel with no build step, and its torch helpers fill the masks of a
-whole batch in one parallel call. A ``GrammarCompiler`` (one per tokenizer) turns a
-``StructuredOutputsParams`` into a compiled grammar, cached by spec; each request
-gets a ``GrammarMatcher`` that masks the logits before sampling and advances on
-each sampled token. Masks come from llguidance as bitmasks, one bit per token
-(int32 words, bit ``i % 32`` of word ``i // 32``), unpacked here to bool rows.
+Imported only when a request uses structured outputs (llguidance.torch pulls in
+torch._dynamo: ~1.5 s). Masks come from llguidance as bitmasks, one bit per token (int32
+words, bit ``i % 32`` of word ``i // 32``), unpacked here to bool rows.
 """
 
 import functools
 import json
 import logging
-from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
@@ -22,6 +15,8 @@ import llguidance.torch
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from contbatch.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,87 +27,6 @@ logger = logging.getLogger(__name__)
 # "item_separator": ",", "key_separator": ":"}.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_CACHE_SIZE = 256
-
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """What the output must be; set exactly one field.
-
-    Attributes:
-        choice: non-empty strings; the output is exactly one of them (kept as a tuple).
-        regex: the whole output must match it. Python's syntax minus lookaround and
-            backreferences (llguidance speaks Rust's regex dialect): ``.`` excludes newline,
-            ``\\d``/``\\w``/``\\s`` are Unicode-aware, ``^``/``$`` only at the ends.
-        json: a JSON schema (dict or JSON string); the output is JSON that validates
-            against it, written with ", " and ": " separators and no other whitespace
-            unless the schema's ``"x-guidance"`` options say otherwise (see ``JSON_OPTIONS``).
-
-    Regexes and schemas are checked against llguidance when the request is added
-    (``ValueError`` with its reason); the fields' types are checked here.
-    """
-
-    choice: tuple[str, ...] | list[str] | None = None
-    regex: str | None = None
-    json: dict | str | None = None
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("choice", "regex", "json") if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                f"structured_outputs needs exactly one of choice, regex or json, got {', '.join(given) or 'none'}"
-            )
-        if self.choice is not None:
-            object.__setattr__(self, "choice", _checked_choice(self.choice))
-        elif self.regex is not None:
-            _check_regex(self.regex)
-        else:
-            _check_json(self.json)
-
-
-def _checked_choice(choice: object) -> tuple[str, ...]:
-    if isinstance(choice, str) or not isinstance(choice, (list, tuple)):
-        raise TypeError(f"structured_outputs.choice must be a list of strings, got {choice!r}")
-    if not choice:
-        raise ValueError("structured_outputs.choice must list at least one string, got []")
-    for item in choice:
-        if not isinstance(item, str):
-            raise TypeError(f"structured_outputs.choice must contain only strings, got {item!r}")
-        if not item:
-            raise ValueError(f"structured_outputs.choice strings must be non-empty, got {choice!r}")
-        _check_utf8("choice", item)
-    return tuple(choice)
-
-
-def _check_regex(regex: object) -> None:
-    if not isinstance(regex, str):
-        raise TypeError(f"structured_outputs.regex must be a string, got {regex!r}")
-    if not regex:
-        raise ValueError("structured_outputs.regex must be a non-empty regex, got ''")
-    _check_utf8("regex", regex)
-
-
-def _check_utf8(field: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"structured_outputs.{field} is not valid Unicode ({e.reason}): {text!r}") from None
-
-
-def _check_json(schema: object) -> None:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {schema!r}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"structured_outputs.json must be a JSON object (a schema), got {schema!r}")
-    elif isinstance(schema, dict):
-        try:
-            json.dumps(schema)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"structured_outputs.json must be JSON-serialisable ({e})") from None
-    else:
-        raise TypeError(f"structured_outputs.json must be a dict or a JSON string, got {type(schema).__name__}")
 
 
 def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -168,7 +82,7 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One request's position in its grammar.
 
-    Per step: ``fill_mask`` (or ``fill_masks`` for a batch) on the logits, sample,
+    Per step: ``fill_mask`` (or ``blocked_tokens`` for a batch) on the logits, sample,
     then ``accept`` the sampled token. Stop the request when ``is_finished`` or
     when an EOS id was sampled (accepting EOS is allowed but not needed).
     """
@@ -212,23 +126,16 @@ class GrammarMatcher:
         return self._matcher.get_error() or None
 
 
-def fill_masks(logits: torch.Tensor, grammars: list[tuple[int, GrammarMatcher]]) -> None:
-    """Batched ``fill_mask``: for each (row, matcher), mask ``logits[row]`` in place.
+def blocked_tokens(matchers: list[GrammarMatcher]) -> torch.Tensor:
+    """Bool [len(matchers), vocab_size], True where the token may not come next.
 
-    Computes all masks in one llguidance call (parallel across matchers when
-    there are spare cores) and unpacks them at once; ``logits`` is [rows, vocab_size].
+    Computes all masks in one llguidance call (parallel across matchers when there are
+    spare cores) and unpacks them at once.
     """
-    if not grammars:
-        return
-    vocab_size = grammars[0][1].vocab_size
-    _check_width(logits, vocab_size)
-    bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), vocab_size)
-    matchers = [(grammar._matcher, i) for i, (_, grammar) in enumerate(grammars)]
-    llguidance.torch.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
-    blocked = _blocked(bitmask, vocab_size).to(logits.device, non_blocking=True)
-    # Row by row in place: cheaper than gathering the rows and scattering them back.
-    for i, (row, _) in enumerate(grammars):
-        logits[row].masked_fill_(blocked[i], float("-inf"))
+    vocab_size = matchers[0].vocab_size
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.torch.fill_next_token_bitmask_par(_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], bitmask)
+    return _blocked(bitmask, vocab_size)
 
 
 @functools.cache

@@ -1,0 +1,167 @@
+"""InputBatch: the model runner's own state of every sequence it runs, and the flat batch of a step.
+
+Kept up to date from each ``SchedulerOutput`` (new sequences, block-table changes,
+sequences that ended) and from the tokens the runner samples itself, as vLLM's
+``InputBatch`` is; nothing here reads the scheduler's requests. A step's sequences are
+flattened into one varlen batch with no padding: their new tokens are concatenated
+into ``input_ids``/``positions``, each token gets its cache slot, and each sequence its
+block table and context length.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from contbatch.engine.scheduler_output import NewSeq, SchedulerOutput
+from contbatch.engine.stopping import stop_token_ids
+from contbatch.layers.attention import AttentionMetadata
+from contbatch.layers.sampler import SamplingBatch, TokenMasks
+from contbatch.sampling_params import SamplingParams
+
+SHORT_CHUNK = 16  # chunks up to this many tokens get their cache slots computed in plain Python
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    stop_ids: frozenset[int]  # masked out until min_tokens are generated
+    generator: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def stops_suppressed(self) -> bool:
+        return bool(self.stop_ids) and self.num_output_tokens < self.params.min_tokens
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows of the flattened batch whose logits are sampled, one per sampling sequence
+    sampling_seqs: list[SeqState]
+    prompt_rows: list[int] = field(default_factory=list)  # rows scored for prompt logprobs
+    prompt_targets: list[tuple[SeqState, int]] = field(default_factory=list)  # (sequence, position of the scored token)
+
+
+class InputBatch:
+    def __init__(self, block_size: int, eos_token_ids: frozenset[int], device: torch.device) -> None:
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.seqs: dict[int, SeqState] = {}
+
+    def update(self, step: SchedulerOutput) -> None:
+        """Apply the step's changes: drop ended sequences, add new ones, update block tables."""
+        for seq_id in step.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in step.new_seqs:
+            self.seqs[new.seq_id] = self._new_state(new)
+        for item in step.scheduled:
+            if item.new_block_ids or item.table_start < len(self.seqs[item.seq_id].block_table):
+                self.seqs[item.seq_id].block_table[item.table_start :] = item.new_block_ids
+
+    def append_sampled(self, seqs: list[SeqState], tokens: list[int]) -> None:
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+
+    def prepare(self, step: SchedulerOutput) -> ModelInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, query_lens, sample_rows, sampling_seqs = [], [], [], []
+        prompt_rows, prompt_targets = [], []
+        tables: list[list[int]] = []
+        size = self.block_size
+        for item in step.scheduled:
+            seq, start = self.seqs[item.seq_id], item.num_computed_tokens
+            end = start + item.num_new_tokens
+            first_row = len(input_ids)
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end - start <= SHORT_CHUNK:  # decodes: plain ints beat numpy's per-call cost
+                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            else:
+                chunk = np.arange(start, end)
+                slots.extend((np.asarray(table, dtype=np.int64)[chunk // size] * size + chunk % size).tolist())
+            tables.append(table)
+            seq_lens.append(end)
+            query_lens.append(item.num_new_tokens)
+            if seq.params.prompt_logprobs is not None:
+                # Row of position p scores the prompt token at p + 1.
+                for position in range(start, min(end, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(first_row + position - start)
+                    prompt_targets.append((seq, position + 1))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(np.asarray(slots, dtype=np.int64), torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32), torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return ModelInput(
+            input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64), torch.int64),
+            positions=self._tensor(np.asarray(positions, dtype=np.int64), torch.int64),
+            metadata=metadata,
+            sample_rows=sample_rows,
+            sampling_seqs=sampling_seqs,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
+        )
+
+    def sampling_batch(self, seqs: list[SeqState], masks: TokenMasks | None) -> SamplingBatch:
+        suppressed = [(row, sorted(s.stop_ids)) for row, s in enumerate(seqs) if s.stops_suppressed]
+        token_ids = [
+            (s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :]) if s.params.has_penalties
+            else ([], []) for s in seqs
+        ]
+        masked = None
+        if masks is not None and masks.seq_ids:
+            rows = {s.seq_id: row for row, s in enumerate(seqs)}
+            masked = ([rows[seq_id] for seq_id in masks.seq_ids], masks.blocked)
+        return SamplingBatch.build(
+            [s.params for s in seqs], [s.generator for s in seqs], suppressed, masked, token_ids, self.device
+        )
+
+    def _new_state(self, new: NewSeq) -> SeqState:
+        return SeqState(
+            seq_id=new.seq_id,
+            params=new.params,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=len(new.token_ids),
+            stop_ids=stop_token_ids(new.params, self.eos_token_ids),
+            generator=make_generator(new.params.seed, new.sample_index),
+        )
+
+    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+
+
+def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    """The sequence's own random stream, or None to use the engine's."""
+    if seed is None:
+        return None
+    if sample_index:
+        # Distinct, deterministic streams per sample; sample 0 uses the seed itself.
+        seed = int(np.random.SeedSequence([seed, sample_index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator

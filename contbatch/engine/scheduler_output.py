@@ -1,0 +1,54 @@
+"""What the scheduler hands the model runner each step: plain data, no live requests.
+
+The runner keeps its own state of every sequence (contbatch/engine/input_batch.py) and
+updates it from these: sequences it has not seen, each scheduled sequence's token
+counts and block-table change, and the sequences that ended.
+"""
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from contbatch.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewSeq:
+    """A sequence the runner has not seen: what it needs to keep its state."""
+
+    seq_id: int
+    request_id: int
+    sample_index: int
+    params: SamplingParams
+    token_ids: tuple[int, ...]  # the prompt (a forked sample starts from it too)
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence's work in a step (a NamedTuple: hundreds are made per step)."""
+
+    seq_id: int
+    num_computed_tokens: int  # tokens already in the cache: this step computes the next ones
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the end of the sequence's tokens, so a token is sampled
+    table_start: int  # the runner keeps this many entries of the sequence's block table...
+    new_block_ids: tuple[int, ...]  # ...and replaces the rest with these
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work, consumed by the model runner."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # ended since the last step: drop their state
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+    num_prefix_queried_tokens: int = 0  # prompt tokens of admitted requests, with prefix caching on
+    num_prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
