@@ -30,6 +30,8 @@ class EngineConfig:
         kv_cache_memory: bytes for the KV cache; default sized from available RAM.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         seed: seeds the sampler for requests without their own seed.
+        adapt_threads: on the CPU, use only the cores other processes leave free, checked
+            four times a second (contbatch/engine/threads.py); False keeps torch's thread count.
     """
 
     max_num_seqs: int = 256
@@ -39,6 +41,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -51,8 +54,9 @@ class EngineConfig:
             _check_positive("kv_cache_memory", self.kv_cache_memory)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "adapt_threads"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -34,6 +34,9 @@ class LLM:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes.
         seed: seed for requests that do not set their own.
         skip_tokenizer_init: run without a tokenizer (token-id prompts, empty text).
+        adapt_threads: on the CPU, use only the cores that other processes leave free
+            (checked four times a second; spinning OpenMP threads sharing a core with another
+            process slow every step 2-4x). False keeps torch's thread count as it is.
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -55,6 +58,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         skip_tokenizer_init: bool = False,
+        adapt_threads: bool = True,
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -64,6 +68,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            adapt_threads=adapt_threads,
         )
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory, got {type(model).__name__}")

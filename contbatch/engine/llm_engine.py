@@ -19,6 +19,7 @@ from contbatch.engine.output_processor import OutputProcessor
 from contbatch.engine.scheduler import Scheduler
 from contbatch.engine.scheduler_output import SchedulerOutput
 from contbatch.engine.stats import EngineStats, StatsListener, StepStats
+from contbatch.engine.threads import ThreadController
 from contbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 from contbatch.models.loader import load_model, read_config
 from contbatch.outputs import RequestOutput
@@ -49,6 +50,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.structured)
         self.stats = EngineStats()
+        adapt = config.adapt_threads and device.type == "cpu"
+        self.threads = ThreadController(torch.get_num_threads()) if adapt else None
         self._listeners: list[StatsListener] = []
 
     def check_params(self, params: SamplingParams) -> None:
@@ -92,6 +95,8 @@ class LLMEngine:
         """Drop every unfinished request and free its blocks (the engine is then idle)."""
         self.scheduler.abort_all()
         self.structured.clear()
+        if self.threads is not None:
+            self.threads.reset()
         self.outputs.abort_all()
 
     @property
@@ -101,6 +106,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One model step; returns the outputs of requests that finished in it."""
         start = time.perf_counter()
+        if self.threads is not None:
+            self.threads.on_step()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             raise RuntimeError("scheduler made no progress: the KV cache cannot hold the next request")
