@@ -1,8 +1,9 @@
 """LLM: the user-facing entry point (vLLM's offline ``LLM`` API)."""
 
+import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -12,8 +13,17 @@ from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
-from contbatch.prompts import PreparedPrompt, PromptPreparer, as_prompt_iterable, validate_conversation
+from contbatch.prompts import MAX_LISTED_ERRORS, PreparedPrompt, PromptPreparer, as_prompt_iterable, validate_conversation
 from contbatch.sampling_params import SamplingParams
+from contbatch.scoring import (
+    LabelScores,
+    LoglikelihoodOutput,
+    admission_waves,
+    check_labels,
+    label_scores,
+    loglikelihood_output,
+    tokenize_pair,
+)
 
 
 class LLM:
@@ -173,6 +183,69 @@ class LLM:
         source: Iterable = self.preparer.prepare_all(items) if materialised else items
         return self._run(source, params, materialised, _Progress(total, use_tqdm))
 
+    def loglikelihood(self, requests: Sequence[tuple[object, object]]) -> list[LoglikelihoodOutput]:
+        """The log-likelihood of each (context, continuation) pair, in input order.
+
+        Named after lm-eval's request type: vLLM's offline API has no such call (its users
+        read ``prompt_logprobs``, which computes every prompt position of every request).
+        Here each pair scores only its continuation, and pairs sharing a context prefill it
+        once (contbatch/scoring.py). Contexts and continuations are both strings (split as
+        lm-eval splits them) or both token-id lists. Every pair is validated before any
+        work: one ValueError lists the bad indices. A pair that fails as it starts gets a
+        LoglikelihoodOutput with ``error`` set.
+        """
+        self._check_idle()
+        if not isinstance(requests, (list, tuple)) or not requests:
+            raise ValueError("requests must be a non-empty list of (context, continuation) pairs")
+        pairs, prepared = self._prepare_pairs(requests)
+        block_size = self.engine.config.block_size
+        sizes = [-(-(len(c) + len(t) + 1) // block_size) for c, t in pairs]
+        budget = max(1, self.engine.block_manager.freed_block_reserve // 2)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        results: list[LoglikelihoodOutput | None] = [None] * len(pairs)
+        for wave in admission_waves([tuple(c) for c, _ in pairs], sizes, budget):
+            source = [prepared[i] for i in wave]
+            for output in self._run(source, itertools.repeat(params), True, _Progress(None, False)):
+                index = wave[int(output.request_id)]
+                results[index] = loglikelihood_output(output, len(pairs[index][0]))
+        return results
+
+    def score_labels(self, prompts: Sequence[object], labels: Sequence[str]) -> list[LabelScores]:
+        """For each prompt, the probability of each label (normalised over ``labels``) and the
+        most probable one: one prefill of each prompt, then each label's tokens (a labeling job
+        over 1M rows and 5 labels does not pay for 5M prompt prefills)."""
+        labels = check_labels(labels)
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list")
+        scored = self.loglikelihood([(prompt, label) for prompt in prompts for label in labels])
+        results = []
+        for start in range(0, len(scored), len(labels)):
+            outputs = scored[start : start + len(labels)]
+            failed = next((o.error for o in outputs if o.error is not None), None)
+            if failed is not None:
+                raise ValueError(f"prompts[{start // len(labels)}] could not be scored: {failed}")
+            results.append(label_scores(labels, outputs))
+        return results
+
+    def _prepare_pairs(self, requests: Sequence) -> tuple[list[tuple[list[int], list[int]]], list[PreparedPrompt]]:
+        """Tokenised pairs and their prepared requests; one ValueError lists every bad pair."""
+        pairs, prepared, errors = [], [], []
+        for index, pair in enumerate(requests):
+            try:
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise TypeError(f"expected a (context, continuation) pair, got {type(pair).__name__}")
+                context, continuation = tokenize_pair(self.engine.tokenizer, *pair)
+                prompt = self.preparer.prepare({"prompt_token_ids": context + continuation})
+            except (TypeError, ValueError) as exc:
+                errors.append(f"requests[{index}]: {exc}")
+                continue
+            pairs.append((context, continuation))
+            prepared.append(dataclasses.replace(prompt, prompt_logprobs_from=len(context)))
+        if errors:
+            shown = "; ".join(errors[:MAX_LISTED_ERRORS])
+            raise ValueError(f"{len(errors)} invalid pair(s), nothing was run: {shown}")
+        return pairs, prepared
+
     def _run(
         self, source: Iterable, params: Iterator[SamplingParams], prepared: bool, progress: "_Progress"
     ) -> Iterator[RequestOutput]:
@@ -218,7 +291,7 @@ class LLM:
         if params is None:
             return _error_output(position, item, "sampling_params list is shorter than the prompts")
         try:
-            self.engine.add_request(position, prompt.text, prompt.token_ids, params)
+            self.engine.add_request(position, prompt.text, prompt.token_ids, params, prompt.prompt_logprobs_from)
         except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
             return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None

@@ -21,6 +21,7 @@ class PreparedPrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams | None = None  # the prompt's own override, if it carried one
+    prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
 
 
 class PromptPreparer:

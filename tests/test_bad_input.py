@@ -124,10 +124,10 @@ def test_the_largest_seed_runs_and_repeats(llm):
 def test_a_request_that_fails_as_it_starts_ends_alone(llm, monkeypatch, lazy):
     real = Scheduler.add_request
 
-    def add_request(self, request_id, prompt, prompt_token_ids, params):
+    def add_request(self, request_id, prompt, prompt_token_ids, params, *rest):
         if params.seed == 13:
             raise RuntimeError("no generator for 13")
-        return real(self, request_id, prompt, prompt_token_ids, params)
+        return real(self, request_id, prompt, prompt_token_ids, params, *rest)
 
     monkeypatch.setattr(Scheduler, "add_request", add_request)
     prompts = [[5, 6], [7, 8], [9, 10]]

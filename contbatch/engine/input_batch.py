@@ -29,6 +29,7 @@ class SeqState:
     token_ids: list[int]
     num_prompt_tokens: int
     stop_ids: frozenset[int]  # masked out until min_tokens are generated
+    prompt_logprobs_from: int  # with prompt logprobs: the first prompt position scored
     generator: torch.Generator | None
     block_table: list[int] = field(default_factory=list)
 
@@ -98,7 +99,7 @@ class InputBatch:
             query_lens.append(item.num_new_tokens)
             if seq.params.prompt_logprobs is not None:
                 # Row of position p scores the prompt token at p + 1.
-                for position in range(start, min(end, seq.num_prompt_tokens - 1)):
+                for position in range(max(start, seq.prompt_logprobs_from - 1), min(end, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(first_row + position - start)
                     prompt_targets.append((seq, position + 1))
             if item.samples:
@@ -148,6 +149,7 @@ class InputBatch:
             token_ids=list(new.token_ids),
             num_prompt_tokens=len(new.token_ids),
             stop_ids=stop_token_ids(new.params, self.eos_token_ids),
+            prompt_logprobs_from=new.prompt_logprobs_from,
             generator=make_generator(new.params.seed, new.sample_index),
         )
 

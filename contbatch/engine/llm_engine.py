@@ -70,8 +70,18 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
 
-    def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        request = self.scheduler.add_request(request_id, prompt, prompt_token_ids, params)
+    def add_request(
+        self,
+        request_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_logprobs_from: int = 1,
+    ) -> None:
+        """Queue a request. With prompt logprobs, ``prompt_logprobs_from`` is the first prompt
+        position scored (earlier entries are None) and the prefix before it may be reused
+        from the prefix cache (scoring continuations of one shared context)."""
+        request = self.scheduler.add_request(request_id, prompt, prompt_token_ids, params, prompt_logprobs_from)
         try:
             if params.structured_outputs is not None:
                 self.structured.add(request.seq_id, params.structured_outputs)

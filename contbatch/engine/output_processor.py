@@ -112,7 +112,8 @@ class OutputProcessor:
                 stop_ids=stop_token_ids(params, self.eos_token_ids),
                 detokenizer=detokenizer,
                 logprobs=[] if params.logprobs is not None else None,
-                prompt_logprobs=[None] if params.prompt_logprobs is not None and request.sample_index == 0 else None,
+                prompt_logprobs=[None] * request.prompt_logprobs_from
+                if params.prompt_logprobs is not None and request.sample_index == 0 else None,
             )
         return state
 

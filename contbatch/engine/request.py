@@ -40,6 +40,7 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         sample_index: int = 0,
+        prompt_logprobs_from: int = 1,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -48,6 +49,8 @@ class Request:
         self.params = params
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # With prompt logprobs: the first prompt position scored; the prefix before it may come from the cache.
+        self.prompt_logprobs_from = prompt_logprobs_from
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -89,7 +92,8 @@ class Request:
 
     def fork(self, seq_id: int, sample_index: int) -> "Request":
         """A new sample of the same prompt, at the same computed position."""
-        child = Request(seq_id, self.request_id, self.prompt, self.prompt_token_ids, self.params, sample_index)
+        child = Request(seq_id, self.request_id, self.prompt, self.prompt_token_ids, self.params, sample_index,
+                        self.prompt_logprobs_from)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status

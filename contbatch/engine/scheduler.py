@@ -45,9 +45,14 @@ class Scheduler:
         self._ended: list[int] = []  # seq ids the runner knows that ended since the last step
 
     def add_request(
-        self, request_id: int, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_logprobs_from: int = 1,
     ) -> Request:
-        request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params)
+        request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from)
         self.requests[request.seq_id] = request
         self.waiting.append(request)
         return request
@@ -186,9 +191,10 @@ class Scheduler:
             budget -= num_new
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        if request.params.prompt_logprobs is not None:  # every prompt position must be computed to score it
-            return []
-        return self.block_manager.find_cached_prefix(request.seq_id, request.token_ids)
+        tokens = request.token_ids
+        if request.params.prompt_logprobs is not None:  # positions from the first scored one on must be computed
+            tokens = tokens[: request.prompt_logprobs_from]
+        return self.block_manager.find_cached_prefix(request.seq_id, tokens)
 
     def _allocate_for_waiting(self, request: Request, num_cached: int, num_new: int, cached: list[int]) -> bool:
         """A waiting request is worth more than blocks others took ahead: release them if needed."""
@@ -212,7 +218,7 @@ class Scheduler:
             self._known_to_runner.add(request.seq_id)
             output.new_seqs.append(
                 NewSeq(request.seq_id, request.request_id, request.sample_index, request.params,
-                       tuple(request.prompt_token_ids))
+                       tuple(request.prompt_token_ids), request.prompt_logprobs_from)
             )
         table_start, new_blocks = self.block_manager.block_table_update(request.seq_id, end)
         samples = end == request.num_tokens

@@ -20,6 +20,7 @@ class NewSeq:
     sample_index: int
     params: SamplingParams
     token_ids: tuple[int, ...]  # the prompt (a forked sample starts from it too)
+    prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
 
 
 class ScheduledSeq(NamedTuple):
