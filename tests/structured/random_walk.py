@@ -18,6 +18,7 @@ class Walk:
     text: str
     finished: bool  # the grammar finished or EOS was picked (not cut off by the step cap)
     eos_allowed: list[bool]  # at each step, whether EOS was allowed before it
+    error: str | None = None  # llguidance hit an internal limit (its mask then allows only EOS)
 
 
 class RandomChooser:
@@ -45,6 +46,8 @@ class RandomChooser:
             if matcher.is_finished:
                 return Walk(token_ids, self.decode(token_ids), True, eos_allowed)
             allowed = matcher.allowed_tokens()
+            if matcher.error is not None:  # e.g. "lexer error: too many expressions constructed"
+                return Walk(token_ids, self.decode(token_ids), True, eos_allowed, matcher.error)
             eos_allowed.append(bool(allowed[self.eos_id]))
             closing_now = step >= self.soft_cap
             if eos_allowed[-1] and rng.random() < (1.0 if closing_now else 0.3):

@@ -7,7 +7,7 @@ import string
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from contbatch.structured_outputs import StructuredOutputsParams
@@ -77,11 +77,22 @@ def _regexes() -> st.SearchStrategy[str]:
     return st.lists(alternatives, min_size=1, max_size=3).map("|".join)
 
 
+TOO_COMPLEX_FOR_LLGUIDANCE = "(?:yes)|((?:yes)|((?:yes)|[aeiou]|.{1,3}[a-z]{1,3}){1,2}((?:no)|[a-z])){1,2}"
+
+
 @SETTINGS
 @given(regex=_regexes(), seed=seeds)
+@example(regex=TOO_COMPLEX_FOR_LLGUIDANCE, seed=0)
 def test_regex_walks_fully_match(compiler, chooser, regex, seed):
     for i in range(WALKS_PER_SPEC):
         walk = chooser.walk(compiler.matcher(StructuredOutputsParams(regex=regex)), seed + i)
+        # Some long ambiguous regexes exceed llguidance's lexer limits while masking (found by
+        # Hypothesis in CI: "too many expressions constructed"); the mask then allows only EOS,
+        # so the engine ends such a request with the text it has. Only regexes llguidance can
+        # serve are checked here.
+        if walk.error is not None:
+            assert "too many" in walk.error or "too complex" in walk.error.lower(), walk.error
+            assume(False)
         assert walk.finished, f"regex {regex!r}: no end after {len(walk.token_ids)} tokens: {walk.text!r}"
         assert re.fullmatch(regex, walk.text) is not None, f"{walk.text!r} does not match {regex!r}"
         assert_eos_allowed_exactly_at_complete_prefixes(
