@@ -13,7 +13,13 @@ from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
-from contbatch.prompts import MAX_LISTED_ERRORS, PreparedPrompt, PromptPreparer, as_prompt_iterable, validate_conversation
+from contbatch.prompts import (
+    PreparedPrompt,
+    PromptPreparer,
+    as_prompt_iterable,
+    raise_if_invalid,
+    validate_conversation,
+)
 from contbatch.sampling_params import SamplingParams
 from contbatch.scoring import (
     LabelScores,
@@ -241,9 +247,7 @@ class LLM:
                 continue
             pairs.append((context, continuation))
             prepared.append(dataclasses.replace(prompt, prompt_logprobs_from=len(context)))
-        if errors:
-            shown = "; ".join(errors[:MAX_LISTED_ERRORS])
-            raise ValueError(f"{len(errors)} invalid pair(s), nothing was run: {shown}")
+        raise_if_invalid(errors, "pair(s)")
         return pairs, prepared
 
     def _run(

@@ -70,10 +70,7 @@ class PromptPreparer:
                 prepared.append(self.prepare(prompt))
             except (TypeError, ValueError) as exc:
                 errors.append(f"prompts[{index}]: {exc}")
-        if errors:
-            shown = "; ".join(errors[:MAX_LISTED_ERRORS])
-            more = f" (and {len(errors) - MAX_LISTED_ERRORS} more)" if len(errors) > MAX_LISTED_ERRORS else ""
-            raise ValueError(f"{len(errors)} invalid prompt(s), nothing was run: {shown}{more}")
+        raise_if_invalid(errors, "prompt(s)")
         return prepared
 
     @staticmethod
@@ -89,6 +86,14 @@ class PromptPreparer:
         if isinstance(prompt, (list, tuple)):
             return None, _token_list(prompt)
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def raise_if_invalid(errors: list[str], what: str) -> None:
+    """One ValueError listing every invalid input (the first MAX_LISTED_ERRORS of them), if any."""
+    if errors:
+        shown = "; ".join(errors[:MAX_LISTED_ERRORS])
+        more = f" (and {len(errors) - MAX_LISTED_ERRORS} more)" if len(errors) > MAX_LISTED_ERRORS else ""
+        raise ValueError(f"{len(errors)} invalid {what}, nothing was run: {shown}{more}")
 
 
 def as_prompt_iterable(prompts: object) -> tuple[Iterable, bool]:

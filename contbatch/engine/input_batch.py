@@ -67,8 +67,7 @@ class InputBatch:
         for new in step.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new)
         for item in step.scheduled:
-            if item.new_block_ids or item.table_start < len(self.seqs[item.seq_id].block_table):
-                self.seqs[item.seq_id].block_table[item.table_start :] = item.new_block_ids
+            self.seqs[item.seq_id].block_table[item.table_start :] = item.new_block_ids
 
     def append_sampled(self, seqs: list[SeqState], tokens: list[int]) -> None:
         for seq, token in zip(seqs, tokens):

@@ -39,7 +39,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}  # seq_id -> every waiting or running request
-        self.num_preemptions = 0
         self._next_seq_id = 0
         self._known_to_runner: set[int] = set()
         self._ended: list[int] = []  # seq ids the runner knows that ended since the last step
@@ -158,7 +157,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:

@@ -205,10 +205,12 @@ def test_preemption_frees_newest_and_recomputes():
     runner = FakeRunner(4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = [_add(scheduler, i, [5, 6, 7], params) for i in range(3)]
-    finished = []
+    finished, preemptions = [], 0
     while scheduler.has_unfinished():
-        finished += _step(scheduler, runner)[1]
-    assert scheduler.num_preemptions > 0
+        step, ended = _step(scheduler, runner)
+        finished += ended
+        preemptions += step.num_preempted
+    assert preemptions > 0
     assert sorted(r.request_id for r in finished) == [0, 1, 2]
     assert all(len(r.output_token_ids) == 12 for r in requests)
 
@@ -221,12 +223,13 @@ def _run_to_completion(pool_blocks: int, lookahead_tokens: int, count: int = 6) 
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for index in range(count):
         _add(scheduler, index, [3 + index] * 5, params)
-    admitted = None
+    admitted, preemptions = None, 0
     while scheduler.has_unfinished():
         step, _ = _step(scheduler, runner)
         admitted = len(step.scheduled) if admitted is None else admitted
+        preemptions += step.num_preempted
         _check_block_invariants(manager, scheduler.running)
-    return scheduler.num_preemptions, admitted
+    return preemptions, admitted
 
 
 def test_blocks_taken_ahead_never_cost_a_seat_or_a_preemption():
@@ -247,15 +250,15 @@ def test_a_running_request_grows_into_blocks_another_took_ahead():
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     runner = FakeRunner(4)
     first = _add(scheduler, 0, [3] * 4, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
-    second = None
+    second, preemptions = None, 0
     for step_index in range(100):
         if not scheduler.has_unfinished():
             break
         if step_index == 1:
             assert len(manager.block_ids(first.seq_id)) == 8, "the first request took blocks ahead"
             second = _add(scheduler, 1, [4] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        _step(scheduler, runner)
+        preemptions += _step(scheduler, runner)[0].num_preempted
         _check_block_invariants(manager, scheduler.running)
     assert not scheduler.has_unfinished()
-    assert scheduler.num_preemptions == 0
+    assert preemptions == 0
     assert len(first.output_token_ids) == 28 and len(second.output_token_ids) == 8
