@@ -232,6 +232,12 @@ def _notes(systems: dict, skipped: dict) -> list[str]:
     return notes
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the first column left-aligned (labels), the others right (figures)."""
+    rule = ["---"] + ["---:"] * (len(header) - 1)
+    return [f"| {' | '.join(cells)} |" for cells in (header, rule, *rows)]
+
+
 def replace_marked(key: str, section: str, docs_path: Path = DOCS_PATH) -> None:
     """Replace the text between the ``key`` markers of ``docs_path`` with ``section``."""
     begin, end = markers(key)

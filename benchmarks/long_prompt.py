@@ -24,7 +24,7 @@ from contbatch import LLM, SamplingParams  # noqa: E402
 from contbatch.demo_model import demo_model_dir  # noqa: E402
 
 from _machine import cpu_description, cpu_kind  # noqa: E402
-from _report import replace_marked  # noqa: E402
+from _report import markdown_table, replace_marked  # noqa: E402
 from _roofline import DTYPES, fastest  # noqa: E402
 
 LENGTHS = (500, 1000, 2500, 5000)
@@ -64,9 +64,8 @@ def main() -> None:
         f"SmolLM2-135M in {args.dtype}, {torch.get_num_threads()} threads, contbatch max_num_batched_tokens="
         f"{args.max_num_batched_tokens}; CPU: {cpu_description()}. Fastest of {args.reps}.",
         "",
-        "| prompt tokens | contbatch prefill (s) | HF forward (s) | contbatch speed vs HF |",
-        "| ---: | ---: | ---: | ---: |",
-        *(f"| {n} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |" for n, ours, theirs in rows),
+        *markdown_table(["prompt tokens", "contbatch prefill (s)", "HF forward (s)", "contbatch speed vs HF"],
+                        [[str(n), f"{ours:.2f}", f"{theirs:.2f}", f"{theirs / ours:.2f}x"] for n, ours, theirs in rows]),
     ])
     print(table)
     if args.update_docs:

@@ -1,7 +1,9 @@
 """The ``contbatch`` command line (``python -m contbatch`` too).
 
-``contbatch generate``: a bulk job from a JSONL or text file to a JSONL results file;
-see ``contbatch generate --help`` and docs/bulk_jobs.md.
+``contbatch generate``: a bulk job from a JSONL, text, Parquet or CSV file to a JSONL or
+Parquet results file; see ``contbatch generate --help`` and docs/bulk_jobs.md.
+``contbatch eval``: lm-eval's command line with contbatch as the model
+(contbatch/integrations/lm_eval.py).
 """
 
 import argparse
@@ -25,17 +27,26 @@ _EXAMPLES = """examples:
   contbatch generate -i questions.txt -o answers.jsonl --model ./my-model --dtype float32
   contbatch generate -i chats.jsonl -o out.jsonl --messages-field messages --on-error stop
   contbatch generate -i questions.txt -o - | jq -r '.outputs[0].text'
+  contbatch generate -i rows.parquet -o labels.parquet --prompt-field text --id-field row_id
+  contbatch generate -i sheet.csv -o out.jsonl --prompt-field question
 
 Rerunning the same command resumes: ids already in the output are skipped, and a result
 whose input record changed since (an inserted or edited line, another input file) is
 refused unless --redo-mismatched. A JSONL line may override sampling with a
 "sampling_params" object ({"temperature": 0.7, "structured_outputs": {"choice": ["a", "b"]}});
-its other keys are metadata.
+its other keys are metadata. In Parquet and CSV input a "sampling_params" column does the
+same (a struct, or JSON text), and only the prompt, id and sampling_params columns are read.
+Parquet output: results go to OUTPUT.journal.jsonl as they finish (the journal reruns resume
+from; it is kept), and OUTPUT is written from it, in input order, once every record is done.
+Parquet input or output needs pyarrow: pip install contbatch[parquet].
 Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
 130 interrupted (Ctrl-C; rerun to resume)."""
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # every flag after it is lm-eval's own, so argparse must not see them
+        return _eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -54,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate",
-        help="generate for every record of a JSONL/text file into a resumable JSONL results file",
+        help="generate for every record of a JSONL/text/Parquet/CSV file into a resumable JSONL or Parquet "
+        "results file",
         description="Generate a completion for every record of an input file. Results are appended to "
-        "the output as each request finishes (completion order), one JSON object per line: "
+        "the output (the journal, for Parquet output) as each request finishes (completion order), "
+        "one JSON object per line: "
         '{"id", "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}], '
         '"prompt_tokens", "completion_tokens", "fingerprint"} (the fingerprint identifies the record\'s '
         "prompt and per-line sampling, so a resume can tell when the input changed).",
@@ -67,31 +80,54 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(generate)
     _add_engine_flags(generate)
     _add_sampling_flags(generate)
+    commands.add_parser(
+        "eval",
+        help="run lm-evaluation-harness with contbatch as the model (any lm_eval flag; "
+        "pip install contbatch[eval])",
+        description="lm-eval's own command line with --model contbatch: "
+        "contbatch eval --model_args pretrained=DIR,dtype=auto --tasks TASKS [lm_eval flags]",
+    )
     return parser
+
+
+def _eval(lm_eval_args: list[str]) -> int:
+    try:
+        from contbatch.integrations import lm_eval
+    except ImportError as exc:
+        print(f"contbatch eval needs lm-eval: pip install 'contbatch[eval]' ({exc})", file=sys.stderr)
+        return EXIT_ERROR
+    return lm_eval.main(lm_eval_args)
 
 
 def _add_job_flags(parser: argparse.ArgumentParser) -> None:
     job = parser.add_argument_group("job")
     job.add_argument("-i", "--input", required=True,
-                     help="input file: JSONL (one object per line) or text (one prompt per line)")
+                     help="input file: JSONL (one object per line), text (one prompt per line), Parquet or CSV "
+                     "(one record per row, CSV with a header row); read lazily")
     job.add_argument("-o", "--output", required=True,
-                     help="results file (JSONL); OUTPUT.meta.json and OUTPUT.errors.jsonl go beside it. "
-                     "'-': standard output, with no resume and no file beside it (bad records only go to stderr); "
-                     "other paths that are not regular files (pipes, devices, directories) are refused")
+                     help="results file, JSONL or Parquet (see --output-format); OUTPUT.meta.json and "
+                     "OUTPUT.errors.jsonl go beside it, and for Parquet the journal OUTPUT.journal.jsonl. "
+                     "'-': standard output (JSONL), with no resume and no file beside it (bad records only go to "
+                     "stderr); other paths that are not regular files (pipes, devices, directories) are refused")
     job.add_argument("-m", "--model",
                      help="Hugging Face model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
-    job.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
-                     help="input format; auto: by extension, .jsonl/.ndjson/.json or .txt (default: auto)")
+    job.add_argument("--format", choices=("auto", "jsonl", "text", "parquet", "csv"), default="auto",
+                     help="input format; auto: by extension, .jsonl/.ndjson/.json, .txt, .parquet or .csv "
+                     "(default: auto)")
+    job.add_argument("--output-format", choices=("auto", "jsonl", "parquet"), default="auto",
+                     help="output format; auto: parquet for a .parquet OUTPUT, else jsonl (default: auto)")
     fields = job.add_mutually_exclusive_group()
     fields.add_argument("--prompt-field", default="prompt",
-                        help="JSONL field holding the prompt text (default: prompt)")
+                        help="JSONL field or Parquet/CSV column holding the prompt text (default: prompt)")
     fields.add_argument("--messages-field",
-                        help="JSONL field holding chat messages [{role, content}]; the chat template is applied")
+                        help="field or column holding chat messages [{role, content}] (a list of structs in "
+                        "Parquet, JSON text in CSV); the chat template is applied")
     job.add_argument("--id-field", default="id",
-                     help="JSONL field holding the record id, a string or integer; records without it use their "
-                     "line number, as text input does (default: id)")
+                     help="field or column holding the record id, a string or integer; records without it use "
+                     "their line (row) number, as text input does (default: id)")
     job.add_argument("--on-error", choices=("skip", "stop"), default="skip",
-                     help="bad records (malformed JSON, missing fields, duplicate ids, empty prompts, bad overrides): "
+                     help="bad records (malformed JSON, missing fields, duplicate ids, empty prompts, bad overrides, "
+                     "CSV rows with the wrong number of cells): "
                      "skip = list them in OUTPUT.errors.jsonl with a warning and run the rest; stop = validate the "
                      "whole input first and refuse to start if any is bad (default: skip)")
     job.add_argument("--force", action="store_true",
@@ -198,6 +234,7 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             model=args.model,
             sampling_params=params,
             input_format=args.format,
+            output_format=args.output_format,
             prompt_field=args.prompt_field,
             messages_field=args.messages_field,
             id_field=args.id_field,
@@ -213,11 +250,12 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _silence_stdout()
         print("contbatch: error: standard output was closed (broken pipe); stopped", file=sys.stderr)
         return EXIT_ERROR
-    except (OSError, TypeError, ValueError) as exc:
+    except (ImportError, OSError, TypeError, ValueError) as exc:  # ImportError: pyarrow missing for Parquet
         print(f"contbatch: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("contbatch: interrupted before generation started; rerun the same command to start", file=sys.stderr)
+        # Before generation (which handles SIGINT itself), or while the Parquet file is written.
+        print("contbatch: interrupted; rerun the same command to carry on", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(summary.line(), file=sys.stderr)
     return {"done": 0, "interrupted": EXIT_INTERRUPTED}.get(summary.status, EXIT_ERROR)

@@ -87,10 +87,13 @@ class ResumeCheck:
         return set()
 
 
-def check_results(records: Iterable[RawRecord | BadRecord], done: dict, prompt_key: str) -> ResumeCheck:
+def check_results(
+    records: Iterable[RawRecord | BadRecord], done: dict, prompt_key: str, unit: str = "line"
+) -> ResumeCheck:
     """Compare each result in ``done`` (id -> fingerprint, None if it has none) with the first
-    input record that has its id. The compared values are replaced by a marker, which needs
-    no second set of ids (only the keys of ``done`` are used afterwards)."""
+    input record that has its id (``unit`` names its position: "line" or "row"). The compared
+    values are replaced by a marker, which needs no second set of ids (only the keys of ``done``
+    are used afterwards)."""
     check = ResumeCheck()
     for record in records:
         stored = _COMPARED if isinstance(record, BadRecord) else done.get(record.id, _COMPARED)
@@ -103,22 +106,23 @@ def check_results(records: Iterable[RawRecord | BadRecord], done: dict, prompt_k
         current = fingerprint(record, prompt_key)
         if current != stored:
             if not check.changed:
-                check.first_changed = _describe(record, stored, current)
+                check.first_changed = _describe(record, stored, current, unit)
             check.changed.add(record.id)
     check.not_in_input = sum(1 for value in done.values() if value is not _COMPARED)
     return check
 
 
-def _describe(record: RawRecord, stored: bytes, current: bytes) -> str:
+def _describe(record: RawRecord, stored: bytes, current: bytes, unit: str) -> str:
     prompt, sampling = (stored[part] != current[part] for part in (slice(_DIGEST_BYTES), slice(_DIGEST_BYTES, None)))
     what = {
         (True, False): "the prompt differs",
         (False, True): "the sampling settings differ",
         (True, True): "the prompt and the sampling settings differ",
     }[(prompt, sampling)]
-    return f"id {record.id!r} at input line {record.line}: {what}"
+    return f"id {record.id!r} at input {unit} {record.line}: {what}"
 
 
 def _digest(value: object) -> bytes:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    # default=repr: a Parquet value that JSON cannot hold (bytes, a date) must not break a resume check.
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(text.encode("ascii")).digest()[:_DIGEST_BYTES]

@@ -1,5 +1,6 @@
 """The results file (append-only JSONL, one line per finished record), standard output
-instead of it (``-``), and the errors file.
+instead of it (``-``), and the errors file. With Parquet output the same JSONL file is the
+job's journal, ``<output>.journal.jsonl``, which parquet_output.py turns into the Parquet file.
 
 Crash safety: every record is one ``os.write`` of a whole line, so it reaches the OS
 page cache at once and survives the process being killed; ``fsync`` runs every
@@ -24,6 +25,8 @@ logger = logging.getLogger("contbatch.jobs")
 
 STDOUT = "-"
 """The output path that means standard output."""
+OUTPUT_FORMATS = ("jsonl", "parquet")
+JOURNAL_SUFFIX = ".journal.jsonl"
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -48,6 +51,22 @@ def check_output_path(path: Path) -> None:
     directory = path.parent.resolve()
     if directory == Path("/dev") or directory.is_relative_to("/proc"):
         raise OutputError(f"output {str(path)!r} is in {directory}, which cannot hold a results file; " + use_instead)
+
+
+def detect_output_format(path: Path, output_format: str) -> str:
+    """The output format: ``output_format`` itself, or for "auto" parquet for a ``.parquet`` path, else jsonl."""
+    if output_format == "auto":
+        return "parquet" if path.suffix.lower() == ".parquet" else "jsonl"
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"output_format must be 'auto', 'jsonl' or 'parquet', got {output_format!r}")
+    if output_format == "parquet" and str(path) == STDOUT:
+        raise ValueError("Parquet output needs a file: standard output ('-') gets JSONL only")
+    return output_format
+
+
+def journal_path(output: Path, output_format: str) -> Path:
+    """The JSONL file results are appended to as they finish: the output itself, or beside a Parquet output."""
+    return output.with_name(output.name + JOURNAL_SUFFIX) if output_format == "parquet" else output
 
 
 class ResultWriter:

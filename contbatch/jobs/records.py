@@ -12,12 +12,11 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from contbatch.jobs.reader import RawRecord
+from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
 from contbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger("contbatch.jobs")
 
-OVERRIDE_KEY = "sampling_params"
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 

@@ -14,8 +14,18 @@ from pathlib import Path
 
 from contbatch.jobs import fingerprints
 from contbatch.jobs.ledger import Claim, IdLedger
-from contbatch.jobs.output import STDOUT, ErrorLog, ResultWriter, StdoutWriter, check_output_path
-from contbatch.jobs.reader import BadRecord, RawRecord, detect_format, read_lines
+from contbatch.jobs.output import (
+    STDOUT,
+    ErrorLog,
+    ResultWriter,
+    StdoutWriter,
+    check_output_path,
+    detect_output_format,
+    journal_path,
+)
+from contbatch.jobs.parquet_output import check_replaceable, write_parquet
+from contbatch.jobs.pyarrow_required import import_pyarrow
+from contbatch.jobs.reader import BadRecord, InputFile, RawRecord, detect_format
 from contbatch.jobs.records import RecordBuilder
 from contbatch.jobs.settings import (
     check_settings,
@@ -56,9 +66,12 @@ class JobSummary:
     generation_s: float
     wall_s: float
     redone: int = 0  # results removed because their input record changed (redo_mismatched), then written again
+    journal: Path | None = None  # with Parquet output: the JSONL file results go to until the job is done
 
     def line(self) -> str:
         where = "standard output" if str(self.output) == STDOUT else self.output
+        if self.journal is not None and self.status != "done":
+            where = f"{self.journal} ({self.output} is written once every record is done)"
         redone = f", {self.redone} redone because their records changed" if self.redone else ""
         errors = f", {self.errors} bad records in {self.errors_path or 'the log above'}" if self.errors else ""
         rate = self.completion_tokens / self.generation_s if self.generation_s > 0 else 0.0
@@ -85,6 +98,7 @@ def run_job(
     llm: LLM | None = None,
     sampling_params: SamplingParams | None = None,
     input_format: str = "auto",
+    output_format: str = "auto",
     prompt_field: str = "prompt",
     messages_field: str | None = None,
     id_field: str = "id",
@@ -97,7 +111,7 @@ def run_job(
     fsync_interval: float = 5.0,
     on_result: Callable[[dict], None] | None = None,
 ) -> JobSummary:
-    """Generate a completion for every record of ``input_path`` into ``output_path`` (JSONL).
+    """Generate a completion for every record of ``input_path`` into ``output_path`` (JSONL or Parquet).
 
     Rerunning the same call after a crash or Ctrl-C resumes: records whose id is in
     the output already are skipped, a torn last line is cut off, and different
@@ -111,23 +125,33 @@ def run_job(
         {"id": ..., "outputs": [{"text", "finish_reason", "stop_reason", "completion_tokens"}],
          "prompt_tokens": n, "completion_tokens": n, "fingerprint": {"prompt": hex, "sampling": hex}}
 
+    With Parquet output those lines go to the journal ``<output>.journal.jsonl``, and once
+    the job is done the Parquet file is written from it atomically, in input order, with the
+    same columns (see contbatch.jobs.parquet_output and parquet_schema). The journal is kept:
+    reruns resume from it (a rerun of a finished job leaves the Parquet file as it is).
+
     Args:
-        input_path: JSONL (one object per line) or text (one prompt per line) file.
+        input_path: JSONL (one object per line), text (one prompt per line), Parquet or
+            CSV (one record per row) file, read lazily.
         output_path: results file; ``<output>.meta.json`` (settings) and
             ``<output>.errors.jsonl`` (bad records) are written beside it. ``"-"``:
-            standard output, with no resume and no file beside it (bad records are
+            standard output (JSONL), with no resume and no file beside it (bad records are
             only logged). Anything else that is not a regular file is refused (OutputError).
         model: model directory; default: the demo model. Needed with ``llm`` too
             (it identifies the model in the settings file).
         llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
         sampling_params: defaults for every record; lines may override fields
             (see contbatch.jobs.records).
-        input_format: "auto" (by extension: .jsonl/.ndjson/.json or .txt), "jsonl" or "text".
-        prompt_field: JSONL field holding the prompt text.
-        messages_field: JSONL field holding chat messages instead (the model's chat
-            template is applied); excludes prompt_field.
-        id_field: JSONL field holding the record id (string or integer); records
-            without it use their line number. Text input always uses line numbers.
+        input_format: "auto" (by extension: .jsonl/.ndjson/.json, .txt, .parquet or .csv),
+            "jsonl", "text", "parquet" or "csv". Parquet needs pyarrow
+            (``pip install contbatch[parquet]``), checked before any work.
+        output_format: "auto" (parquet for a .parquet path, else jsonl), "jsonl" or "parquet".
+        prompt_field: JSONL field (Parquet/CSV column) holding the prompt text.
+        messages_field: field or column holding chat messages instead (a list of
+            {role, content}; JSON text in CSV); the model's chat template is applied.
+            Excludes prompt_field.
+        id_field: field or column holding the record id (string or integer); records
+            without it use their line (row) number. Text input always uses line numbers.
         on_error: "skip" (default): bad records go to the errors file with a warning
             and the rest run. "stop": the whole input is validated first and any bad
             record refuses the job (JobError) before generation starts.
@@ -147,9 +171,9 @@ def run_job(
     """
     started = time.perf_counter()
     input_path, output_path = Path(input_path), Path(output_path)
-    input_format = _check_arguments(
-        input_path, output_path, input_format, on_error, prompt_field, messages_field,
-        model, llm, llm_kwargs, fsync_every, fsync_interval,
+    _check_arguments(on_error, prompt_field, messages_field, model, llm, llm_kwargs, fsync_every, fsync_interval)
+    source, output_format = _check_files(
+        input_path, output_path, input_format, output_format, prompt_field, messages_field, id_field
     )
     if model is None:
         from contbatch.demo_model import demo_model_dir
@@ -157,20 +181,19 @@ def run_job(
         model = demo_model_dir()
     model, params = Path(model), sampling_params or SamplingParams()
     to_file = str(output_path) != STDOUT
-    writer = ResultWriter(output_path, fsync_every, fsync_interval) if to_file else StdoutWriter()
+    journal = journal_path(output_path, output_format)
+    writer = ResultWriter(journal, fsync_every, fsync_interval) if to_file else StdoutWriter()
     meta_path = output_path.with_name(output_path.name + ".meta.json")
-    prompt = _prompt_settings(input_format, id_field, prompt_field, messages_field)
-    prompt_key = messages_field or prompt_field
+    prompt = _prompt_settings(source)
     try:
-        lines = read_lines(input_path, input_format, id_field)
         known = input_settings(params, prompt)
-        redo = _check_resume(writer, meta_path, known, lines, prompt_key, redo_mismatched, force)
+        redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
         llm = llm or LLM(model, **(llm_kwargs or {}))
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt)
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
-        job = _Job(input_path, input_format, id_field, prompt_key, builder, writer, errors, on_error, on_result)
+        job = _Job(source, builder, writer, errors, on_error, on_result)
         try:
             if on_error == "stop":
                 job.validate_all()
@@ -179,6 +202,9 @@ def run_job(
             if redo:
                 writer.drop(redo)
             status, generation_s = job.generate(llm, params, use_tqdm)
+            if status == "done" and journal != output_path:
+                writer.sync()
+                write_parquet(journal, output_path, (r.id for r in source.records() if isinstance(r, RawRecord)))
         finally:
             errors.close()
     except BaseException:
@@ -197,11 +223,12 @@ def run_job(
         generation_s=generation_s,
         wall_s=time.perf_counter() - started,
         redone=len(redo),
+        journal=journal if journal != output_path else None,
     )
 
 
 def _check_resume(
-    writer: ResultWriter | StdoutWriter, meta_path: Path, known_settings: dict, lines: Iterator, prompt_key: str,
+    writer: ResultWriter | StdoutWriter, meta_path: Path, known_settings: dict, source: InputFile,
     redo_mismatched: bool, force: bool,
 ) -> set:
     """Before the model loads: the ids whose results must be generated again; SettingsMismatch or
@@ -211,26 +238,25 @@ def _check_resume(
         return set()
     require_settings_file(meta_path, True, force)
     check_settings(meta_path, known_settings, True, force, partial=True)
-    with closing(lines):
-        check = fingerprints.check_results(lines, writer.done, prompt_key)
+    with closing(source.records()) as records:
+        check = fingerprints.check_results(records, writer.done, source.prompt_key, source.unit)
     return check.to_redo(writer.path, redo_mismatched, force)
 
 
-def _prompt_settings(input_format: str, id_field: str, prompt_field: str, messages_field: str | None) -> dict:
+def _prompt_settings(source: InputFile) -> dict:
     """How prompts are read, for the settings file."""
-    prompt = {"format": input_format}
-    if input_format == "jsonl":
-        prompt["id_field"] = id_field
-        prompt.update({"messages_field": messages_field} if messages_field else {"prompt_field": prompt_field})
+    prompt = {"format": source.format}
+    if source.format != "text":
+        prompt["id_field"] = source.id_field
+        prompt["messages_field" if source.chat else "prompt_field"] = source.prompt_key
     return prompt
 
 
 def _check_arguments(
-    input_path: Path, output_path: Path, input_format: str, on_error: str, prompt_field: str,
-    messages_field: str | None, model: object, llm: LLM | None, llm_kwargs: dict | None,
-    fsync_every: int, fsync_interval: float,
-) -> str:
-    """The input format; ValueError (JobError for the files) for arguments that cannot work together."""
+    on_error: str, prompt_field: str, messages_field: str | None, model: object, llm: LLM | None,
+    llm_kwargs: dict | None, fsync_every: int, fsync_interval: float,
+) -> None:
+    """ValueError for arguments that cannot work together."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
     if messages_field is not None and prompt_field != "prompt":
@@ -241,35 +267,45 @@ def _check_arguments(
         raise ValueError("llm_kwargs only apply when run_job builds the LLM; give llm or llm_kwargs, not both")
     if fsync_every < 1 or fsync_interval < 0:
         raise ValueError(f"fsync_every must be >= 1 and fsync_interval >= 0, got {fsync_every} and {fsync_interval}")
+
+
+def _check_files(
+    input_path: Path, output_path: Path, input_format: str, output_format: str, prompt_field: str,
+    messages_field: str | None, id_field: str,
+) -> tuple[InputFile, str]:
+    """The input and the output format, once the files can be used: JobError or OutputError
+    (ValueErrors) if not, MissingDependency if Parquet is asked for without pyarrow; all before any work."""
     if not input_path.is_file():
         raise JobError(f"input file {str(input_path)!r} does not exist")
+    output_format = detect_output_format(output_path, output_format)
     if str(output_path) != STDOUT:
-        if input_path.resolve() == output_path.resolve():
-            raise JobError("the output file must not be the input file")
-        check_output_path(output_path)
+        for path in dict.fromkeys((output_path, journal_path(output_path, output_format))):
+            if input_path.resolve() == path.resolve():
+                raise JobError("the output file must not be the input file")
+            check_output_path(path)
     input_format = detect_format(input_path, input_format)
     if input_format == "text" and messages_field is not None:
-        raise ValueError("messages_field needs JSONL input; text input has one prompt per line")
-    return input_format
+        raise ValueError("messages_field needs JSONL, Parquet or CSV input; text input has one prompt per line")
+    if "parquet" in (input_format, output_format):
+        import_pyarrow()  # without it a Parquet output would fail only once every record is done
+    if output_format == "parquet":
+        check_replaceable(output_path)
+    source = InputFile(input_path, input_format, id_field, messages_field or prompt_field, messages_field is not None)
+    source.check_columns()
+    return source, output_format
 
 
 class _Job:
     def __init__(
         self,
-        input_path: Path,
-        input_format: str,
-        id_field: str,
-        prompt_key: str,
+        source: InputFile,
         builder: RecordBuilder,
         writer: ResultWriter | StdoutWriter,
         errors: ErrorLog,
         on_error: str,
         on_result: Callable[[dict], None] | None,
     ) -> None:
-        self.input_path = input_path
-        self.input_format = input_format
-        self.id_field = id_field
-        self.prompt_key = prompt_key  # the JSONL field whose value is fingerprinted
+        self.source = source
         self.builder = builder
         self.writer = writer
         self.errors = errors
@@ -287,13 +323,13 @@ class _Job:
             if isinstance(item, BadRecord):
                 self.errors.write(item.line, item.id, item.error)
                 if self.errors.path is None or len(listed) < MAX_LOGGED_ERRORS:  # no file: list them all
-                    listed.append(f"line {item.line}: {item.error}")
+                    listed.append(f"{self.source.unit} {item.line}: {item.error}")
         if not listed:
             return
         more = f"\n  ... and {self.errors.count - len(listed)} more" if self.errors.count > len(listed) else ""
         where = f"; all listed in {self.errors.path}" if self.errors.path else ""
         raise JobError(
-            f"{self.errors.count} bad record(s) in {self.input_path}, nothing was generated (on_error='stop'{where}):"
+            f"{self.errors.count} bad record(s) in {self.source.path}, nothing was generated (on_error='stop'{where}):"
             "\n  " + "\n  ".join(listed) + more
         )
 
@@ -309,7 +345,7 @@ class _Job:
                     self._bad(item, stop)
                     continue
                 record, prompt = item
-                inflight[next(positions)] = record, fingerprints.fingerprint(record, self.prompt_key)
+                inflight[next(positions)] = record, fingerprints.fingerprint(record, self.source.prompt_key)
                 yield prompt
 
         started = time.perf_counter()
@@ -329,9 +365,9 @@ class _Job:
 
     def _prompts(self, ledger: IdLedger, stopped: Callable[[], bool]) -> Iterator[tuple[RawRecord, dict] | BadRecord]:
         """Prompts of the records still to do, and bad records; ends early once ``stopped()``."""
-        with closing(read_lines(self.input_path, self.input_format, self.id_field)) as lines:
+        with closing(self.source.records()) as records:
             while not stopped():
-                item = next(lines, None)
+                item = next(records, None)
                 if item is None:
                     self.input_exhausted = True
                     return
@@ -342,7 +378,8 @@ class _Job:
                 if claim is Claim.DONE:
                     self.already_done += 1
                 elif claim is Claim.DUPLICATE:
-                    yield BadRecord(item.line, item.id, f"duplicate id {item.id!r}: an earlier line has it")
+                    duplicate = f"duplicate id {item.id!r}: an earlier {self.source.unit} has it"
+                    yield BadRecord(item.line, item.id, duplicate)
                 else:
                     try:
                         yield item, self.builder.build(item)
@@ -378,7 +415,7 @@ class _Job:
             return
         action = "skipped" if self.on_error == "skip" else "stopping"
         listed = f"; listed in {path}" if path is not None else ""
-        logger.warning("%s line %d: %s (%s%s)", self.input_path, item.line, item.error, action, listed)
+        logger.warning("%s %s %d: %s (%s%s)", self.source.path, self.source.unit, item.line, item.error, action, listed)
 
 
 def result_record(record_id: str | int, output: RequestOutput, fingerprint: bytes) -> dict:

@@ -1,20 +1,22 @@
-"""A job that tears its output and hangs, for test_crash to SIGKILL: run_job with the settings of
-test_crash's command line, and an ``on_result`` hook that, after the job's Nth result, appends half
-of that result's line again (the torn line a kill mid-write leaves) and sleeps.
+"""A job that hangs part-way, for test_crash to SIGKILL: run_job with the settings of test_crash's
+command line, and either an ``on_result`` hook that, after the job's Nth result, appends half of
+that result's line again to the results (or journal) file, the torn line a kill mid-write leaves,
+and sleeps; or, with ``rename``, a sleep just before the finished Parquet file is renamed into place.
 
-    python -m tests.jobs.hanging_job INPUT OUTPUT MODEL N
+    python -m tests.jobs.hanging_job INPUT OUTPUT MODEL N|rename
 """
 
 import os
 import sys
 import time
+from pathlib import Path
 
 from contbatch import SamplingParams
 from contbatch.jobs import run_job
-from contbatch.jobs.output import encode_line
+from contbatch.jobs.output import detect_output_format, encode_line, journal_path
 
 
-def hang_after(count: int, output: str):
+def hang_after(count: int, results: Path):
     written = 0
 
     def on_result(result: dict) -> None:
@@ -22,7 +24,7 @@ def hang_after(count: int, output: str):
         written += 1
         if written == count:
             line = encode_line(result)
-            fd = os.open(output, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(results, os.O_WRONLY | os.O_APPEND)
             os.write(fd, line[: len(line) // 2])
             os.close(fd)
             time.sleep(3600)
@@ -30,9 +32,26 @@ def hang_after(count: int, output: str):
     return on_result
 
 
+def hang_before_renaming(output: Path) -> None:
+    replace = os.replace
+
+    def hanging(source, destination) -> None:
+        if Path(destination) == output:
+            time.sleep(3600)
+        replace(source, destination)
+
+    os.replace = hanging
+
+
 if __name__ == "__main__":
-    input_path, output, model, count = sys.argv[1:]
+    input_path, output, model, when = sys.argv[1:]
+    output = Path(output)
+    on_result = None
+    if when == "rename":
+        hang_before_renaming(output)
+    else:
+        on_result = hang_after(int(when), journal_path(output, detect_output_format(output, "auto")))
     run_job(
         input_path, output, model=model, sampling_params=SamplingParams(temperature=0, max_tokens=8),
-        llm_kwargs={"dtype": "float32", "max_num_seqs": 16}, fsync_every=50, on_result=hang_after(int(count), output),
+        llm_kwargs={"dtype": "float32", "max_num_seqs": 16}, fsync_every=50, on_result=on_result,
     )

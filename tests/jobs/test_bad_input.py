@@ -108,7 +108,8 @@ def test_messages_field_applies_the_chat_template(run, tmp_path, chat_llm):
     "kwargs, message",
     [
         (dict(on_error="maybe"), "on_error must be"),
-        (dict(input_format="csv"), "input_format must be"),
+        (dict(input_format="xlsx"), "input_format must be"),
+        (dict(output_format="csv"), "output_format must be"),
         (dict(prompt_field="text", messages_field="messages"), "not both"),
     ],
 )

@@ -6,7 +6,7 @@ import pytest
 
 from contbatch.jobs import InputMismatch, OutputError
 from contbatch.jobs.output import ResultWriter
-from tests.jobs.helpers import prompt_records, read_jsonl, write_jsonl
+from tests.jobs.helpers import prompt_records, read_jsonl, results_by_id, write_jsonl
 
 CAPITALS = ["The capital of France is", "The capital of Italy is", "The capital of Germany is"]
 INSERTED = ["The capital of Spain is", *CAPITALS]
@@ -15,12 +15,6 @@ INSERTED = ["The capital of Spain is", *CAPITALS]
 def _write_lines(path, lines: list[str]):
     path.write_text("".join(line + "\n" for line in lines))
     return path
-
-
-def _by_id(path) -> dict:
-    records = read_jsonl(path)
-    assert len({r["id"] for r in records}) == len(records), "an id has two results"
-    return {r["id"]: r for r in records}
 
 
 def test_inserted_line_is_refused_before_the_model_loads(run, tmp_path, no_model_load):
@@ -70,7 +64,7 @@ def test_redo_mismatched_replaces_the_stale_results(run, tmp_path):
     summary = run(source, redo_mismatched=True)
     assert (summary.written, summary.already_done, summary.redone) == (4, 0, 3)
     run(source, output="fresh.jsonl")
-    assert _by_id(tmp_path / "out.jsonl") == _by_id(tmp_path / "fresh.jsonl")
+    assert results_by_id(tmp_path / "out.jsonl") == results_by_id(tmp_path / "fresh.jsonl")
     assert run(source).written == 0  # and a plain rerun resumes cleanly
 
 
@@ -84,7 +78,7 @@ def test_redo_mismatched_keeps_the_results_that_still_match(run, tmp_path):
     summary = run(source, redo_mismatched=True)
     assert (summary.written, summary.already_done, summary.redone) == (2, 10, 2)
     run(source, output="fresh.jsonl")
-    assert _by_id(tmp_path / "out.jsonl") == _by_id(tmp_path / "fresh.jsonl")
+    assert results_by_id(tmp_path / "out.jsonl") == results_by_id(tmp_path / "fresh.jsonl")
 
 
 def test_results_without_a_fingerprint_need_a_flag(run, tmp_path):
