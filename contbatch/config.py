@@ -16,6 +16,8 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
+MODEL_IMPLS = ("auto", "native", "transformers")
+
 
 @dataclass
 class EngineConfig:
@@ -32,6 +34,9 @@ class EngineConfig:
         seed: seeds the sampler for requests without their own seed.
         adapt_threads: on the CPU, use only the cores other processes leave free, checked
             four times a second (contbatch/engine/threads.py); False keeps torch's thread count.
+        model_impl: which code runs the model (contbatch/models/loader.py): "native"
+            (contbatch's own Llama-family model), "transformers" (transformers' modeling code
+            on contbatch's paged attention), or "auto" (native where it can, else transformers).
     """
 
     max_num_seqs: int = 256
@@ -42,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     adapt_threads: bool = True
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -57,6 +63,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "adapt_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.model_impl, str) or self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(map(repr, MODEL_IMPLS))}, got {self.model_impl!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -13,6 +13,7 @@ from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
+from contbatch.prompt_queue import IterableFeed, PromptQueue
 from contbatch.prompts import (
     PreparedPrompt,
     PromptPreparer,
@@ -37,7 +38,10 @@ class LLM:
 
     Args:
         model: path to a Hugging Face model directory (config.json, *.safetensors,
-            tokenizer files). Supported: Llama, Mistral, Qwen2 and Qwen3 architectures.
+            tokenizer files). Llama, Mistral, Qwen2 and Qwen3 run on contbatch's own model;
+            any other decoder-only text model transformers can load (GPT-2, GPT-NeoX, Phi,
+            Granite, OLMo 2, Gemma 3, ...) runs on transformers' modeling code with
+            contbatch's paged attention (see ``model_impl``).
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
         device: "auto", "cpu" or "cuda".
@@ -53,6 +57,9 @@ class LLM:
         adapt_threads: on the CPU, use only the cores that other processes leave free
             (checked four times a second; spinning OpenMP threads sharing a core with another
             process slow every step 2-4x). False keeps torch's thread count as it is.
+        model_impl: "auto" (contbatch's native model where one runs the architecture, else
+            transformers' modeling code; the choice is logged), "native" or "transformers".
+            Every engine feature works the same on both.
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -75,6 +82,7 @@ class LLM:
         seed: int = 0,
         skip_tokenizer_init: bool = False,
         adapt_threads: bool = True,
+        model_impl: str = "auto",
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -85,6 +93,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             adapt_threads=adapt_threads,
+            model_impl=model_impl,
         )
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory, got {type(model).__name__}")
@@ -178,7 +187,7 @@ class LLM:
         Outputs arrive in completion order; ``request_id`` is the prompt's position in
         the input (as a string). Nothing is kept for finished requests, so memory stays
         flat however many prompts stream through. Closing the iterator early aborts
-        the unfinished requests.
+        the unfinished requests. To add prompts while it runs, pass a ``PromptQueue``.
         """
         self._check_idle()  # here too, so that generate() raises it as it is, before any work
         items, materialised = as_prompt_iterable(prompts)
@@ -256,21 +265,21 @@ class LLM:
         engine = self.engine
         self._check_idle()  # two iterators made before either ran: the second to start is refused
         self._running = True
-        pending = enumerate(source)
-        exhausted = False
+        feed = source if isinstance(source, PromptQueue) else IterableFeed(source)
         try:
             while True:
-                while not exhausted and engine.num_waiting < engine.config.max_num_seqs:
-                    position, item = next(pending, (None, None))
-                    if position is None:
-                        exhausted = True
+                while engine.num_waiting < engine.config.max_num_seqs:
+                    # Wait for a prompt only when nothing runs: waiting then would stall the running requests.
+                    taken = feed.take(wait=not engine.has_unfinished())
+                    if taken is None:
                         break
+                    position, item = taken
                     failed = self._admit(position, item, next(params, None), prepared)
                     if failed is not None:
                         progress.update(failed)
                         yield failed
                 if not engine.has_unfinished():
-                    if exhausted:
+                    if feed.finished:
                         return
                     continue
                 for output in engine.step():

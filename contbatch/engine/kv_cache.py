@@ -15,6 +15,7 @@ import torch
 
 from contbatch.layers.attention import KVCache
 from contbatch.models.config import ModelConfig
+from contbatch.models.transformers_config import TransformersModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+    def for_model(
+        cls, config: ModelConfig | TransformersModelConfig, block_size: int, dtype: torch.dtype
+    ) -> "KVCacheSpec":
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
 
     @property

@@ -37,7 +37,7 @@ class LLMEngine:
         skip_tokenizer_init: bool = False,
     ) -> None:
         self.config = config
-        self.model_config = read_config(model_dir)
+        self.model_config = read_config(model_dir, config.model_impl)
         self.max_model_len = self._max_model_len(config)
         cache_spec = KVCacheSpec.for_model(self.model_config, config.block_size, dtype)
         num_blocks = cache_spec.num_blocks(config.kv_cache_memory, self.max_model_len, config.max_num_seqs, device)

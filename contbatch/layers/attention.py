@@ -45,13 +45,16 @@ class PagedAttention(torch.nn.Module):
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        scale: float | None = None,
     ) -> torch.Tensor:
+        """``scale`` overrides head_dim**-0.5 for models that set their own (transformers path)."""
+        scale = self.scale if scale is None else scale
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         if flash_attention.usable(q, key_cache):
             return flash_attention.paged_attention(
                 q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                metadata.max_query_len, metadata.max_seq_len, self.scale, self.sliding_window,
+                metadata.max_query_len, metadata.max_seq_len, scale, self.sliding_window,
             )
         out = torch.empty_like(q)
         ops.paged_attention(
@@ -62,7 +65,7 @@ class PagedAttention(torch.nn.Module):
             metadata.block_tables,
             metadata.seq_lens,
             metadata.query_start_loc,
-            self.scale,
+            scale,
             self.sliding_window,
         )
         return out

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class NativeModelLacks(ValueError):
+    """The config is well formed, but no native model runs it (an architecture or a feature
+    they lack): ``model_impl="auto"`` then tries transformers' modeling code instead."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -39,8 +44,8 @@ class ModelConfig:
         return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
 
 
-def load_model_config(model_dir: Path, architectures: tuple[str, ...]) -> ModelConfig:
-    """Parse config.json, raising ValueError with the reason when it is missing or malformed."""
+def read_raw_config(model_dir: Path) -> dict:
+    """config.json as a dict, raising ValueError when it is missing or not a JSON object."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
@@ -50,15 +55,26 @@ def load_model_config(model_dir: Path, architectures: tuple[str, ...]) -> ModelC
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
+    return raw
+
+
+def load_model_config(model_dir: Path, architectures: tuple[str, ...]) -> ModelConfig:
+    """Parse config.json for a native model, raising ValueError with the reason when it is
+    missing or malformed, NativeModelLacks when it is not one of ``architectures`` or needs a
+    feature they lack."""
+    path = model_dir / "config.json"
+    raw = read_raw_config(model_dir)
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in architectures), None)
     if arch is None:
-        raise ValueError(
-            f"unsupported model architecture {archs or raw.get('model_type')!r} in {path}; "
-            f"supported: {', '.join(architectures)}"
+        raise NativeModelLacks(
+            f"no native model for architecture {archs or raw.get('model_type')!r} in {path}; "
+            f"native models: {', '.join(architectures)}"
         )
     try:
         return _build(arch, raw)
+    except NativeModelLacks:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is malformed for {arch}: {exc!r}") from exc
 
@@ -71,7 +87,7 @@ def _build(arch: str, raw: dict) -> ModelConfig:
     scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
-        raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: 'silu'")
+        raise NativeModelLacks(f"{arch}: hidden_act {hidden_act!r} is not supported natively; supported: 'silu'")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -100,6 +116,6 @@ def _sliding_window(arch: str, raw: dict) -> int:
     window = raw.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if raw.get("use_sliding_window", False):
-            raise ValueError("use_sliding_window=True (per-layer windows) is not supported for Qwen models")
+            raise NativeModelLacks(f"{arch}: use_sliding_window=True (per-layer windows) is not supported natively")
         return -1
     return int(window) if window else -1

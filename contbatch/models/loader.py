@@ -1,8 +1,10 @@
-"""Build a model from an HF directory and load its safetensors weights (sharded too).
+"""Pick a model's path (native or transformers), build it and load its safetensors weights (sharded too).
 
-The model is created on the meta device (no random init, no memory), materialised
+A native model is created on the meta device (no random init, no memory), materialised
 empty in the target dtype, and each checkpoint tensor is copied straight into its
 parameter (or its slice of a fused one), so the full state dict never exists twice.
+Any other decoder-only model runs on transformers' own modeling code with contbatch's
+paged attention (contbatch/models/transformers_backend.py).
 """
 
 import logging
@@ -12,8 +14,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from contbatch.models.config import ModelConfig, load_model_config
+from contbatch.models.config import ModelConfig, NativeModelLacks, load_model_config
 from contbatch.models.llama import LlamaForCausalLM
+from contbatch.models.transformers_backend import load_transformers_model
+from contbatch.models.transformers_config import TransformersModelConfig, read_transformers_config
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -35,20 +39,55 @@ _FUSED = {
 logger = logging.getLogger(__name__)
 
 
-def read_config(model_dir: Path) -> ModelConfig:
-    """The model's config, or ValueError naming the problem (missing, malformed, unsupported)."""
+def read_config(model_dir: Path, model_impl: str = "auto") -> ModelConfig | TransformersModelConfig:
+    """The config of the path that will run the model (its type says which), or ValueError
+    naming the problem (missing, malformed, an architecture neither path can run).
+
+    ``model_impl`` (``EngineConfig.model_impl``): "native" takes contbatch's own model only,
+    "transformers" transformers' modeling code only, "auto" the native model when it can run
+    the config, else transformers' code."""
     if model_dir.is_file():
         raise ValueError(f"model {str(model_dir)!r} is a file; pass the model's directory (config.json, "
                          "*.safetensors and tokenizer files)")
     if not model_dir.is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
-    return load_model_config(model_dir, tuple(ARCHITECTURES))
+    if model_impl == "transformers":
+        config = read_transformers_config(model_dir)
+        logger.info("%s: running transformers' modeling code on contbatch's paged attention", config.architecture)
+        return config
+    try:
+        config = load_model_config(model_dir, tuple(ARCHITECTURES))
+    except NativeModelLacks as native_refusal:
+        if model_impl == "native":
+            raise ValueError(f"{native_refusal} (model_impl='native'; 'auto' or 'transformers' would try "
+                             "transformers' modeling code)") from None
+        return _transformers_instead(model_dir, native_refusal)
+    logger.info("%s: running contbatch's native model", config.architecture)
+    return config
 
 
-def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def _transformers_instead(model_dir: Path, native_refusal: NativeModelLacks) -> TransformersModelConfig:
+    try:
+        config = read_transformers_config(model_dir)
+    except ValueError as refusal:
+        raise ValueError(f"{refusal}; contbatch's native models cannot run it either ({native_refusal})") from None
+    logger.info("%s: running transformers' modeling code on contbatch's paged attention (%s)",
+                config.architecture, native_refusal)
+    return config
+
+
+def load_model(
+    model_dir: Path,
+    config: ModelConfig | TransformersModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> nn.Module:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
+    if isinstance(config, TransformersModelConfig):
+        return load_transformers_model(model_dir, config, dtype, device)
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
     model = model.to(dtype=dtype).to_empty(device=device)

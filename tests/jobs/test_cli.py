@@ -55,6 +55,15 @@ def test_runs_and_prints_one_summary_line(tmp_path, chat_model_dir, capsys):
     assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [0, 1, 2]
 
 
+def test_model_impl_transformers_gives_the_native_results(tmp_path, chat_model_dir):
+    native, generic = tmp_path / "native", tmp_path / "generic"
+    native.mkdir(), generic.mkdir()
+    assert _cli(native, chat_model_dir, "--model-impl", "native") == 0
+    assert _cli(generic, chat_model_dir, "--model-impl", "transformers") == 0
+    texts = [{r["id"]: r["outputs"][0]["text"] for r in read_jsonl(d / "out.jsonl")} for d in (native, generic)]
+    assert texts[0] == texts[1] and len(texts[0]) == 3
+
+
 @pytest.mark.parametrize("flag, value, field, expected", [("--n", "2", "n", 2), ("--stop", "zz", "stop", ["zz"])])
 def test_n_and_stop_pass_through(tmp_path, chat_model_dir, flag, value, field, expected):
     assert _cli(tmp_path, chat_model_dir, flag, value) == 0
