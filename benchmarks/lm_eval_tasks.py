@@ -39,10 +39,10 @@ OBJECTS = ["the bridge", "a small house", "the old road", "a red kite", "the mar
 def write_tasks(directory: Path, questions: int, generations: int, max_gen_toks: int) -> None:
     rng = random.Random(0)
     with open(directory / "mc.jsonl", "w") as out:
-        for _ in range(questions):
+        for index in range(questions):  # each question unique, as in real tasks (lm-eval scores a repeated pair once)
             subject, verb = rng.choice(SUBJECTS), rng.choice(VERBS)
             choices = rng.sample(OBJECTS, 4)
-            question = f"In the story, the {subject} {verb} something. What does the {subject} {verb}?"
+            question = f"In story number {index}, the {subject} {verb} something. What does the {subject} {verb}?"
             out.write(json.dumps({"question": question, "choices": choices, "answer": rng.randrange(4)}) + "\n")
     with open(directory / "gen.jsonl", "w") as out:
         for index in range(generations):

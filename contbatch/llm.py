@@ -29,6 +29,7 @@ from contbatch.scoring import (
     check_labels,
     label_scores,
     loglikelihood_output,
+    repeated_pair_output,
     tokenize_pair,
 )
 
@@ -204,7 +205,7 @@ class LLM:
         Named after lm-eval's request type: vLLM's offline API has no such call (its users
         read ``prompt_logprobs``, which computes every prompt position of every request).
         Here each pair scores only its continuation, and pairs sharing a context prefill it
-        once (contbatch/scoring.py). Contexts and continuations are both strings (split as
+        once (contbatch/scoring.py); identical pairs are scored once. Contexts and continuations are both strings (split as
         lm-eval splits them) or both token-id lists. Every pair is validated before any
         work: one ValueError lists the bad indices. A pair that fails as it starts gets a
         LoglikelihoodOutput with ``error`` set.
@@ -213,16 +214,25 @@ class LLM:
         if not isinstance(requests, (list, tuple)) or not requests:
             raise ValueError("requests must be a non-empty list of (context, continuation) pairs")
         pairs, prepared = self._prepare_pairs(requests)
+        # Eval suites repeat pairs (the same choices after the same few-shot prompt): score each once.
+        first_of: dict[tuple, int] = {}
+        for index, (context, continuation) in enumerate(pairs):
+            first_of.setdefault((tuple(context), tuple(continuation)), index)
+        unique = list(first_of.values())
         block_size = self.engine.config.block_size
-        sizes = [-(-(len(c) + len(t) + 1) // block_size) for c, t in pairs]
+        sizes = [-(-(len(pairs[i][0]) + len(pairs[i][1]) + 1) // block_size) for i in unique]
         budget = max(1, self.engine.block_manager.freed_block_reserve // 2)
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         results: list[LoglikelihoodOutput | None] = [None] * len(pairs)
-        for wave in admission_waves([tuple(c) for c, _ in pairs], sizes, budget):
-            source = [prepared[i] for i in wave]
+        for wave in admission_waves([tuple(pairs[i][0]) for i in unique], sizes, budget):
+            source = [prepared[unique[w]] for w in wave]
             for output in self._run(source, itertools.repeat(params), True, _Progress(None, False)):
-                index = wave[int(output.request_id)]
+                index = unique[wave[int(output.request_id)]]
                 results[index] = loglikelihood_output(output, len(pairs[index][0]))
+        for index, (context, continuation) in enumerate(pairs):
+            scored = first_of[(tuple(context), tuple(continuation))]
+            if scored != index:
+                results[index] = repeated_pair_output(results[scored], len(context))
         return results
 
     def score_labels(self, prompts: Sequence[object], labels: Sequence[str]) -> list[LabelScores]:

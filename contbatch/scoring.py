@@ -9,6 +9,7 @@ tokens; 5 labels for one prompt cost one prefill of it, not 5. A window of conte
 time keeps the waves' blocks within the cache's reserve of freed blocks.
 """
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,16 @@ def loglikelihood_output(output: RequestOutput, num_context_tokens: int) -> Logl
         is_greedy=all(s.rank == 1 for s in scored),
         continuation_token_ids=continuation,
         num_cached_tokens=output.num_cached_tokens,
+    )
+
+
+def repeated_pair_output(scored: LoglikelihoodOutput, num_context_tokens: int) -> LoglikelihoodOutput:
+    """The result of a pair identical to one already scored: its own copy, nothing computed."""
+    return dataclasses.replace(
+        scored,
+        token_logprobs=list(scored.token_logprobs),
+        continuation_token_ids=list(scored.continuation_token_ids),
+        num_cached_tokens=num_context_tokens if scored.error is None else 0,
     )
 
 

@@ -68,6 +68,24 @@ def test_token_id_pairs(llm, hf):
         assert max(abs(a - b) for a, b in zip(out.token_logprobs, expected)) <= TOL and out.is_greedy == greedy
 
 
+def test_identical_pairs_are_scored_once_and_each_gets_its_own_result(llm, hf, monkeypatch):
+    rng = random.Random(11)
+    context = [rng.randrange(100, 40000) for _ in range(30)]
+    a, b = [rng.randrange(100, 40000) for _ in range(3)], [rng.randrange(100, 40000) for _ in range(2)]
+    pairs = [(context, a), (context, b), (context, a), (list(context), list(a))]
+    started = []
+    add_request = llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kw: started.append(args) or add_request(*args, **kw))
+    outputs = llm.loglikelihood(pairs)
+    assert len(started) == 2  # two distinct pairs ran, not four
+    for (ctx, cont), out in zip(pairs, outputs):
+        expected, greedy = _hf_score(hf, ctx, cont)
+        assert max(abs(x - y) for x, y in zip(out.token_logprobs, expected)) <= TOL and out.is_greedy == greedy
+    assert outputs[2] is not outputs[0] and outputs[2].token_logprobs is not outputs[0].token_logprobs
+    assert outputs[2].token_logprobs == outputs[0].token_logprobs == outputs[3].token_logprobs
+    assert outputs[2].num_cached_tokens == outputs[3].num_cached_tokens == len(context)
+
+
 def test_labels_probabilities_match_hf(llm, hf):
     tokenizer = llm.get_tokenizer()
     labels = [" positive", " negative", " neutral", " very good", " very negative indeed"]  # shared first tokens, long ones
