@@ -63,8 +63,10 @@ class OutputProcessor:
         finish = token_finish(
             token, state.stop_ids, params, request.num_output_tokens, request.num_tokens, self.max_model_len
         )
-        if finish is None and self.structured is not None:
-            finish = self.structured.accept(request.seq_id, token)
+        if self.structured is not None:
+            grammar_finish = self.structured.accept(request.seq_id, token)
+            if finish is None or (grammar_finish is not None and grammar_finish.reason == "abort"):
+                finish = grammar_finish  # a failed grammar outranks the EOS its mask forced
         if state.detokenizer is not None:
             delta = state.detokenizer.add(token)
             suppressed = request.num_output_tokens < params.min_tokens

@@ -133,10 +133,14 @@ class StructuredOutputManager:
 
     def accept(self, seq_id: int, token_id: int) -> Finish | None:
         """Advance the sequence's matcher past its sampled token: "stop" once the grammar is
-        complete, "abort" if llguidance failed internally."""
+        complete, "abort" if llguidance failed internally (then its mask allowed only EOS, so
+        the token is EOS and would otherwise read as a normal stop)."""
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return None
+        if matcher.error is not None:
+            logger.warning("sequence %d: the structured output grammar failed (%s); ending it", seq_id, matcher.error)
+            return Finish("abort")
         try:
             matcher.accept(token_id)
         except ValueError as exc:  # only an llguidance internal error gets past the mask

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from contbatch.structured_outputs import StructuredOutputsParams
-from tests.structured.conftest import EOS_ID
+from tests.structured.conftest import EOS_ID, VOCAB_SIZE
 from tests.structured.random_walk import RandomChooser
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -149,3 +149,28 @@ def test_json_walks_validate_against_the_schema(compiler, chooser, schema, seed)
             jsonschema.validate(json.loads(walk.text), schema)
     # A walk may be cut off by the step cap; most must finish.
     assert sum(w.finished for w in walks) >= WALKS_PER_SPEC - 1, [w.text for w in walks]
+
+
+def test_a_grammar_llguidance_fails_on_ends_its_request_as_abort_not_stop(tokenizer, compiler, chooser):
+    """Past llguidance's lexer limits the mask allows only EOS; the request must end as "abort"
+    (the grammar failed), not as a normal EOS stop with a truncated text."""
+    from contbatch.engine.output_processor import OutputProcessor
+    from contbatch.engine.request import Request
+    from contbatch.sampling_params import SamplingParams
+    from contbatch.structured_outputs import StructuredOutputManager
+
+    spec = StructuredOutputsParams(regex=TOO_COMPLEX_FOR_LLGUIDANCE)
+    walk = chooser.walk(compiler.matcher(spec), 0)
+    assert walk.error is not None, "this path no longer drives llguidance past its limits"
+    manager = StructuredOutputManager(tokenizer, VOCAB_SIZE, frozenset({EOS_ID}))
+    processor = OutputProcessor(tokenizer, frozenset({EOS_ID}), 4096, manager)
+    request = Request(0, 0, None, [1, 2, 3], SamplingParams(max_tokens=1000, structured_outputs=spec))
+    manager.add(request.seq_id, spec)
+    for token in walk.token_ids:
+        manager.masks([request.seq_id])
+        request.token_ids.append(token)
+        assert processor.process_token(request, None) is None
+    masks = manager.masks([request.seq_id])
+    assert (~masks.blocked[0]).nonzero().flatten().tolist() == [EOS_ID]  # llguidance failed: only EOS left
+    request.token_ids.append(EOS_ID)
+    assert processor.process_token(request, None).reason == "abort"
