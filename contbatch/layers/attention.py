@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch import ops
-from contbatch.layers import flash_attention
+from contbatch.layers import dense_prefill, flash_attention
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -30,12 +30,15 @@ class AttentionMetadata:
 class PagedAttention(torch.nn.Module):
     """Writes this step's K/V into the cache, then attends over each sequence's whole context."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = -1) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = -1, scale: float | None = None
+    ) -> None:
+        """``scale`` multiplies q.k; None: head_dim**-0.5."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
 
     def forward(
@@ -57,7 +60,8 @@ class PagedAttention(torch.nn.Module):
                 metadata.max_query_len, metadata.max_seq_len, scale, self.sliding_window,
             )
         out = torch.empty_like(q)
-        ops.paged_attention(
+        run = dense_prefill.attend if dense_prefill.has_long_queries(q, metadata.max_query_len) else ops.paged_attention
+        run(
             out,
             q,
             key_cache,

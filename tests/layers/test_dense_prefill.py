@@ -1,0 +1,53 @@
+"""Long prefill chunks through sdpa (contbatch/layers/dense_prefill.py) against the reference
+paged attention, in steps that mix them with short chunks and decodes."""
+
+import pytest
+import torch
+
+from contbatch.layers import dense_prefill
+from contbatch.layers.attention import AttentionMetadata, PagedAttention
+from contbatch.ops import reference
+from tests.ops.paged_batch import TOLERANCES, random_batch
+
+LONG = dense_prefill.MIN_QUERY_ROWS
+# (context length, query rows): long chunks after a cached prefix and from the start, one of
+# exactly the threshold, a short chunk and decodes.
+SEQUENCES = [(LONG + 180, LONG + 80), (LONG + 8, LONG + 8), (1000, LONG), (40, 20), (300, 1), (77, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [-1, 64, 100_000])
+def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window):
+    gen = torch.Generator().manual_seed(sliding_window % 1000)
+    seq_lens, query_lens = zip(*SEQUENCES)
+    batch = random_batch(gen, list(seq_lens), list(query_lens), num_heads=8, num_kv_heads=2, head_size=64,
+                         block_size=16, dtype=dtype)
+    scale = 0.11
+    expected = torch.empty_like(batch.query)
+    reference.paged_attention(expected, *batch.attention_args(), scale, sliding_window)
+    out = torch.full_like(batch.query, float("nan"))
+    dense_prefill.attend(out, *batch.attention_args(), scale, sliding_window)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_paged_attention_layer_takes_the_dense_path_only_for_long_queries(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+    attend = dense_prefill.attend
+    monkeypatch.setattr(dense_prefill, "attend", lambda *args: calls.append(1) or attend(*args))
+    layer = PagedAttention(num_heads=8, num_kv_heads=2, head_dim=64)
+    for query_lens, dense in (([LONG, 1], True), ([LONG - 1, 1], False)):
+        seq_lens = [q + 5 for q in query_lens]
+        batch = random_batch(gen, seq_lens, query_lens, 8, 2, 64, 16, torch.float32)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((sum(query_lens),), -1, dtype=torch.int64), block_tables=batch.block_tables,
+            seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        )  # fmt: skip
+        k = torch.zeros(sum(query_lens), 2, 64)
+        calls.clear()
+        out = layer(batch.query, k, k, (batch.key_cache, batch.value_cache), metadata)
+        assert bool(calls) == dense
+        expected = torch.empty_like(batch.query)
+        reference.paged_attention(expected, *batch.attention_args(), layer.scale, -1)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
