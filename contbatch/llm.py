@@ -39,9 +39,9 @@ class LLM:
 
     Args:
         model: path to a Hugging Face model directory (config.json, *.safetensors,
-            tokenizer files). Llama, Mistral, Qwen2 and Qwen3 run on contbatch's own model;
-            any other decoder-only text model transformers can load (GPT-2, GPT-NeoX, Phi,
-            Granite, OLMo 2, Gemma 3, ...) runs on transformers' modeling code with
+            tokenizer files). Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 run on contbatch's
+            own model code; any other decoder-only text model transformers can load (GPT-2,
+            GPT-NeoX, Phi-2, Granite, OLMo 2, ...) runs on transformers' modeling code with
             contbatch's paged attention (see ``model_impl``).
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).

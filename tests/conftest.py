@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -52,13 +54,53 @@ TINY_CONFIGS = {
     "qwen3": lambda: Qwen3Config(**{**_COMMON, "hidden_size": 96}),
 }
 
+# Native models beyond the Llama family, apart from TINY_CONFIGS: on transformers' own path
+# Phi-3's LongRoPE picks its factors per step, by the batch's longest position, so the
+# cross-path tests over TINY_CONFIGS would not hold for it (tests/models/test_native_phi3_gemma3.py).
+_PHI3 = dict(_COMMON, num_attention_heads=2, num_key_value_heads=1)  # head_dim 64 = 128 / 2
+del _PHI3["head_dim"]  # Phi3Config derives it
+PHI3_ORIGINAL_CONTEXT = 32  # shorter than most test prompts: they cross it
+
+
+def _longrope(rotary_dim: int) -> dict:
+    """Distinct short and long factors, one per rotated pair of dims."""
+    pairs = range(rotary_dim // 2)
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in pairs],
+            "long_factor": [1.0 + 0.5 * i for i in pairs]}
+
+
+TINY_PHI3_GEMMA3_CONFIGS = {
+    # LongRoPE with prompts longer than the original context, and a sliding window.
+    "phi3-longrope": lambda: Phi3Config(**_PHI3, rope_scaling=_longrope(64), sliding_window=48,
+                                        original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT),
+    # Phi-4-mini: 3/4 of each head rotates, tied head; its original context covers the tests'.
+    "phi4-mini-partial": lambda: Phi3Config(**_PHI3, rope_scaling=_longrope(48), partial_rotary_factor=0.75,
+                                            original_max_position_embeddings=256, tie_word_embeddings=True),
+    # Sliding layers (window 8) between global ones, linear rope scaling on the global ones only.
+    "gemma3": lambda: Gemma3TextConfig(
+        **dict(_COMMON, num_hidden_layers=5),
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=48,
+        final_logit_softcapping=20.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    ),
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def _save_random_model(config, path: Path, seed: int) -> Path:
-    """A randomly initialised fp32 model of ``config`` saved (config.json + model.safetensors) in ``path``."""
+def _save_random_model(config, path: Path, seed: int, norm_std: float = 0.0) -> Path:
+    """A randomly initialised fp32 model of ``config`` saved (config.json + model.safetensors) in ``path``;
+    ``norm_std`` > 0 moves the norm weights off their constant init (Gemma's zeros would hide a wrong 1 + w)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if norm_std:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn_like(param) * norm_std)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -69,6 +111,15 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {
         name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
         for name, make_config in TINY_CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def phi3_gemma3_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of a random tiny model of TINY_PHI3_GEMMA3_CONFIGS, norms randomised too."""
+    return {
+        name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name), norm_std=0.3)
+        for name, make_config in TINY_PHI3_GEMMA3_CONFIGS.items()
     }
 
 

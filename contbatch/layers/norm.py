@@ -27,3 +27,17 @@ class RMSNorm(nn.Module):
         (both [tokens, size], contiguous rows)."""
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + weight): its checkpoints store weight - 1.
+
+    ``fold_one`` adds the 1 into the loaded weight once (in fp32, as transformers adds it,
+    then in the model's dtype), so the same fused kernels run every step. In fp32 that is
+    transformers' result; in bf16 the folded weight and the normalised row are each rounded,
+    where transformers multiplies in fp32 and rounds once (about a bf16 step apart).
+    """
+
+    def fold_one(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(self.weight.float() + 1.0)

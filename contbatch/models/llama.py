@@ -1,4 +1,5 @@
-"""The Llama decoder family: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama decoder family: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+Phi-3 (LongRoPE, partial rotary; its checkpoints fuse the projections already).
 
 All take a flattened varlen batch ``[num_tokens]`` with no padding. Q/K/V and
 gate/up projections are fused into one matmul each; the weight loader fills the
@@ -8,7 +9,7 @@ fused matrices from the checkpoint's separate tensors.
 import torch
 from torch import nn
 
-from contbatch.layers.activation import silu_and_mul
+from contbatch.layers.activation import GATED_ACTIVATIONS
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.layers.linear import Linear, PackedWeight, pack_linears, pack_weight, packed_linear
 from contbatch.layers.norm import RMSNorm
@@ -17,16 +18,18 @@ from contbatch.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int, norm: type[RMSNorm] = RMSNorm) -> None:
+        """``norm``: the class of the q/k norms, if the config has them."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.layer_window(layer),
+                                   config.attention_scale)
 
     def forward(
         self,
@@ -53,17 +56,20 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_and_mul = GATED_ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    norm_class: type[RMSNorm] = RMSNorm  # of every norm in the layer (and the model's final one)
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, self.norm_class)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(
@@ -81,20 +87,28 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rotary, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.feed_forward(self.self_attn(hidden, positions, rotary, kv_cache, metadata), residual)
+
+    def feed_forward(self, attention_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream with attention_out added)."""
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attention_out, residual)
         return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Mistral, Qwen2 and Qwen3: their differences are config switches."""
+    """Also serves Mistral, Qwen2, Qwen3 and Phi-3: their differences are config switches.
+
+    A subclass may swap the decoder layer class, and override ``embed`` and ``rotary_for``
+    (contbatch/models/gemma3.py)."""
+
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(config, layer) for layer in range(config.num_layers))
+        self.norm = self.decoder_layer.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
@@ -107,14 +121,12 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rotary(self, max_positions: int) -> None:
         """Build the cos/sin tables once the weights are materialised (they are not parameters)."""
+        self.rotary = self.rotary_table(max_positions, self.config.rope_theta, self.config.rope_scaling)
+
+    def rotary_table(self, max_positions: int, base: float, scaling: dict | None) -> RotaryEmbedding:
         weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(
-            self.config.head_dim,
-            max_positions,
-            self.config.rope_theta,
-            self.config.rope_scaling,
-            dtype=weight.dtype,
-            device=weight.device,
+        return RotaryEmbedding(
+            self.config.rotary_dim, max_positions, base, scaling, dtype=weight.dtype, device=weight.device
         )
 
     def forward(
@@ -125,10 +137,16 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of a flattened varlen batch."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, metadata)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_for(layer), kv_cache, metadata)
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
+        return self.rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

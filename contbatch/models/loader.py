@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from contbatch.models.config import ModelConfig, NativeModelLacks, load_model_config
+from contbatch.models.gemma3 import Gemma3ForCausalLM
 from contbatch.models.llama import LlamaForCausalLM
 from contbatch.models.transformers_backend import load_transformers_model
 from contbatch.models.transformers_config import TransformersModelConfig, read_transformers_config
@@ -24,16 +25,22 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # Checkpoint name fragment -> (fused parameter fragment, shard index in the fused matrix).
-_FUSED = {
+_FUSED: dict[str, tuple[str, int]] = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+
+# Architectures whose checkpoints hold qkv_proj and gate_up_proj fused already, in our
+# [q | k | v] and [gate | up] order: each loads whole into its parameter.
+_FUSED_IN_CHECKPOINT = frozenset({"Phi3ForCausalLM"})
 
 
 logger = logging.getLogger(__name__)
@@ -120,7 +127,7 @@ def _load_file(file: Path, params: dict[str, torch.Tensor], config: ModelConfig,
     all_zero = True
     with safe_open(str(file), framework="pt") as checkpoint:
         for name in checkpoint.keys():
-            target = _target_name(name)
+            target = _target_name(name, _fusion(config))
             if target is None or (config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if target[0] not in params:
@@ -132,12 +139,17 @@ def _load_file(file: Path, params: dict[str, torch.Tensor], config: ModelConfig,
     return all_zero
 
 
-def _target_name(checkpoint_name: str) -> tuple[str, int | None] | None:
+def _fusion(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """The checkpoint's separate projections that fill slices of our fused ones."""
+    return {} if config.architecture in _FUSED_IN_CHECKPOINT else _FUSED
+
+
+def _target_name(checkpoint_name: str, fusion: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
     """Our parameter name (and fused shard) for a checkpoint tensor; None to ignore it."""
     if "rotary_emb.inv_freq" in checkpoint_name:
         return None
     name = checkpoint_name.removeprefix("model.")
-    for fragment, (fused, shard) in _FUSED.items():
+    for fragment, (fused, shard) in fusion.items():
         if fragment in name:
             return name.replace(fragment, fused), shard
     return name, None
@@ -165,8 +177,9 @@ def _shard_sizes(checkpoint_name: str, config: ModelConfig) -> list[int]:
 
 def _expected_checkpoint_names(params: dict[str, torch.Tensor], config: ModelConfig) -> list[str]:
     names = []
+    fusion = _fusion(config)
     for name in params:
-        unfused = [fragment for fragment, (fused, _) in _FUSED.items() if fused in name]
-        variants = [name.replace(_FUSED[f][0], f) for f in unfused] if unfused else [name]
+        unfused = [fragment for fragment, (fused, _) in fusion.items() if fused in name]
+        variants = [name.replace(fusion[f][0], f) for f in unfused] if unfused else [name]
         names.extend(v if v.startswith("lm_head") else f"model.{v}" for v in variants)
     return names

@@ -1,7 +1,8 @@
 """The transformers path (contbatch/models/transformers_backend.py): transformers' own modeling
 code on contbatch's paged KV cache.
 
-Tiny random fp32 models of eight architectures with no native model, each request's greedy
+Tiny random fp32 models of eight architectures (seven with no native model, and Gemma 3, whose
+native module is tested in test_native_phi3_gemma3.py), on this path, each request's greedy
 tokens equal to HF `generate` on it alone while the requests run together (the oracle
 scenarios of tests/test_generate_oracle.py: mixed batches with prefix hits, preemption,
 chunked prefill), and their logprobs equal to HF's (the heads differ after the LM head, and
@@ -114,7 +115,8 @@ def _greedy_outputs(llm: LLM, scenario_name: str) -> tuple[list[list[int]], list
 @pytest.mark.parametrize("arch", GENERIC_CONFIGS)
 def test_generic_models_match_hf(arch, scenario_name, device, generic_model_dirs, generic_oracle_outputs):
     model_dir = generic_model_dirs[arch]
-    llm = LLM(model_dir, skip_tokenizer_init=True, **_engine_kwargs(model_dir, SCENARIOS[scenario_name], 192, device))
+    llm = LLM(model_dir, skip_tokenizer_init=True, model_impl="transformers",
+              **_engine_kwargs(model_dir, SCENARIOS[scenario_name], 192, device))
     assert isinstance(llm.engine.model_config, TransformersModelConfig)
     prompts, ours = _greedy_outputs(llm, scenario_name)
     oracle = None
@@ -129,7 +131,9 @@ def test_generic_logprobs_match_hf(arch, generic_model_dirs):
     """Sampled and prompt logprobs are HF's log-softmax: the model's own head code ran."""
     prompt, _ = _tiny_prompts()
     prompt = prompt[0]
-    llm = LLM(generic_model_dirs[arch], skip_tokenizer_init=True, dtype="float32", max_model_len=192)
+    llm = LLM(generic_model_dirs[arch], skip_tokenizer_init=True, dtype="float32", max_model_len=192,
+              model_impl="transformers")
+    assert isinstance(llm.engine.model_config, TransformersModelConfig)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=2)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     generated = output.outputs[0].token_ids
