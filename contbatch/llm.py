@@ -130,6 +130,20 @@ class LLM:
         prompts = [self._render_chat(c, i, chat_template, add_generation_prompt) for i, c in enumerate(checked)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def render_chat(
+        self,
+        conversation: list[dict],
+        index: int = 0,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> dict:
+        """One conversation as the prompt dict ``generate`` takes ({"prompt", "prompt_token_ids"}),
+        rendered as ``chat()`` renders it; ValueError naming conversation ``index`` if it is malformed
+        or the template fails. For callers that feed prompts one at a time (a PromptQueue)."""
+        if self.engine.tokenizer is None:
+            raise ValueError("'messages' need a tokenizer; this LLM was built with skip_tokenizer_init=True")
+        return self._render_chat(validate_conversation(conversation, index), index, chat_template, add_generation_prompt)
+
     def _render_chat(
         self, conversation: list[dict], index: int, chat_template: str | None, add_generation_prompt: bool
     ) -> dict:
@@ -215,24 +229,24 @@ class LLM:
             raise ValueError("requests must be a non-empty list of (context, continuation) pairs")
         pairs, prepared = self._prepare_pairs(requests)
         # Eval suites repeat pairs (the same choices after the same few-shot prompt): score each once.
+        keys = [(tuple(context), tuple(continuation)) for context, continuation in pairs]
         first_of: dict[tuple, int] = {}
-        for index, (context, continuation) in enumerate(pairs):
-            first_of.setdefault((tuple(context), tuple(continuation)), index)
+        for index, key in enumerate(keys):
+            first_of.setdefault(key, index)
         unique = list(first_of.values())
         block_size = self.engine.config.block_size
-        sizes = [-(-(len(pairs[i][0]) + len(pairs[i][1]) + 1) // block_size) for i in unique]
+        sizes = [-(-(len(keys[i][0]) + len(keys[i][1]) + 1) // block_size) for i in unique]
         budget = max(1, self.engine.block_manager.freed_block_reserve // 2)
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         results: list[LoglikelihoodOutput | None] = [None] * len(pairs)
-        for wave in admission_waves([tuple(pairs[i][0]) for i in unique], sizes, budget):
+        for wave in admission_waves([keys[i][0] for i in unique], sizes, budget):
             source = [prepared[unique[w]] for w in wave]
             for output in self._run(source, itertools.repeat(params), True, _Progress(None, False)):
                 index = unique[wave[int(output.request_id)]]
-                results[index] = loglikelihood_output(output, len(pairs[index][0]))
-        for index, (context, continuation) in enumerate(pairs):
-            scored = first_of[(tuple(context), tuple(continuation))]
-            if scored != index:
-                results[index] = repeated_pair_output(results[scored], len(context))
+                results[index] = loglikelihood_output(output, len(keys[index][0]))
+        for index, key in enumerate(keys):
+            if first_of[key] != index:
+                results[index] = repeated_pair_output(results[first_of[key]], len(key[0]))
         return results
 
     def score_labels(self, prompts: Sequence[object], labels: Sequence[str]) -> list[LabelScores]:

@@ -43,7 +43,6 @@ import torch
 from contbatch.llm import LLM
 from contbatch.outputs import RequestOutput
 from contbatch.prompt_queue import PromptQueue
-from contbatch.prompts import validate_conversation
 from contbatch.sampling_params import SamplingParams
 
 RowFunction = Callable[[dict], dict]
@@ -254,10 +253,7 @@ def _engine_prompt(fields: dict, llm: LLM, default_params: SamplingParams) -> di
         raise TypeError(f"preprocess must return a dict, got {type(fields).__name__}")
     params = _row_sampling_params(fields.get("sampling_params"), default_params)
     if fields.get("messages") is not None:
-        if llm.get_tokenizer() is None:
-            raise ValueError("'messages' need a tokenizer; this LLM was built with skip_tokenizer_init=True")
-        conversation = validate_conversation(fields["messages"], 0)
-        return {**llm._render_chat(conversation, 0, None, True), "sampling_params": params}
+        return {**llm.render_chat(fields["messages"]), "sampling_params": params}
     prompt = {key: fields[key] for key in ("prompt", "prompt_token_ids") if fields.get(key) is not None}
     if not prompt:
         raise ValueError(f"a row needs a 'prompt', 'prompt_token_ids' or 'messages' value; it has {sorted(fields)}")

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-_LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+"""The per-layer attention kinds the paged kernels compute (config ``layer_types``)."""
 
 
 class NativeModelLacks(ValueError):
@@ -246,10 +247,10 @@ def _gemma3_layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if len(layer_types) < num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    other = sorted(set(layer_types) - set(_LAYER_TYPES))
+    other = sorted(set(layer_types) - set(LAYER_TYPES))
     if other:
         raise NativeModelLacks(f"Gemma3ForCausalLM: layer types {other} are not supported natively; "
-                               f"supported: {', '.join(_LAYER_TYPES)}")
+                               f"supported: {', '.join(LAYER_TYPES)}")
     return tuple(layer_types[:num_layers])
 
 

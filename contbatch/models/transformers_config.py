@@ -13,9 +13,8 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from contbatch import ops
-from contbatch.models.config import read_raw_config
+from contbatch.models.config import LAYER_TYPES, read_raw_config
 
-_PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _MAX_KERNEL_HEAD_DIM = 256  # the compiled attention kernels take head sizes that are multiples of 16, up to this
 
 
@@ -141,8 +140,8 @@ def _sliding_windows(hf_config: PretrainedConfig, num_layers: int, name: str) ->
     if layer_types is None:
         uses_window = getattr(hf_config, "use_sliding_window", True)
         return (window if uses_window else -1,) * num_layers
-    other = sorted(set(layer_types) - set(_PAGED_LAYER_TYPES))
+    other = sorted(set(layer_types) - set(LAYER_TYPES))
     if other:
         raise ValueError(f"{name} has {other} layers; the transformers path runs attention layers only "
-                         f"({', '.join(_PAGED_LAYER_TYPES)})")
+                         f"({', '.join(LAYER_TYPES)})")
     return tuple(window if kind == "sliding_attention" else -1 for kind in layer_types[:num_layers])
