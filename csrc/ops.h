@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace contbatch {
@@ -31,6 +32,15 @@ void argmax_rows_cpu(at::Tensor& out, const at::Tensor& logits);
 // bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only.
 void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                      const std::optional<at::Tensor>& bias);
+
+// int8 ops (csrc/cpu/int8_kernel_api.h), CPU only: per-token, per-block quantization of
+// fp32/bf16 rows, and the linear layer over a block-quantized, panel-packed weight.
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input);
+void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
+                     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
+                     const std::optional<at::Tensor>& bias);
+// Which int8 kernel the active tier runs ("generic", "avx2" or "avx512_vnni").
+std::string int8_kernel_isa();
 
 // The CPU kernels' ISA tier (csrc/cpu/cpu_isa.h): the one the ops run now, choosing one by
 // name ("auto", "generic", "avx2", "avx512", "avx512_bf16"), those this CPU can run, and

@@ -20,6 +20,11 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
+  m.def("int8_quantize_rows(Tensor input) -> (Tensor, Tensor)");
+  m.def(
+      "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, Tensor sums, "
+      "Tensor? bias) -> ()");
+  m.def("int8_kernel_isa() -> str", &contbatch::int8_kernel_isa);
   m.def("cpu_kernel_isa() -> str", &contbatch::cpu_kernel_isa);
   m.def("set_cpu_isa(str isa) -> ()", &contbatch::set_cpu_isa);
   m.def("supported_cpu_isas() -> str[]", &contbatch::supported_cpu_isas);
@@ -36,6 +41,8 @@ TORCH_LIBRARY_IMPL(contbatch, CPU, m) {
   m.impl("rotary_embedding", &contbatch::rotary_embedding_cpu);
   m.impl("argmax_rows", &contbatch::argmax_rows_cpu);
   m.impl("bf16_linear", &contbatch::bf16_linear_cpu);
+  m.impl("int8_quantize_rows", &contbatch::int8_quantize_rows_cpu);
+  m.impl("int8_linear", &contbatch::int8_linear_cpu);
 }
 
 PyMODINIT_FUNC PyInit__C() {

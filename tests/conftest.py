@@ -1,9 +1,14 @@
 """Shared fixtures: tiny random models of every supported architecture and a tiny chat model
-with a real tokenizer (every tiny model is built here), the real demo model, and the HF
-transformers oracle they are checked against."""
+with a real tokenizer (every tiny model is built here), the real demo model (as converted and
+as its GGUF file, from which smaller GGUF files are written), and the HF transformers oracle
+they are checked against."""
 
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -129,6 +134,42 @@ def smollm_dir() -> Path:
     from contbatch.demo_model import demo_model_dir
 
     return demo_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """The demo model's own GGUF file (Q4_1 linear layers, Q8_0 embedding), fetched once (cached)."""
+    from contbatch.demo_model import demo_gguf_path
+
+    return demo_gguf_path()
+
+
+def write_gguf(source: Path, target: Path, num_layers: int, tensor_type: Callable[[str, np.ndarray], str]) -> Path:
+    """``source``'s metadata and tokenizer with its first ``num_layers`` layers, each tensor
+    (dequantized) stored again in the GGUF type ``tensor_type(name, values)`` names ("F32",
+    "Q8_0", ...): a small model with a real tokenizer, in the types a test needs."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the writer writes these itself
+        value = num_layers if field.name.endswith(".block_count") else field.contents()
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type)
+    for tensor in reader.tensors:
+        layer = re.match(r"blk\.(\d+)\.", tensor.name)
+        if layer is not None and int(layer[1]) >= num_layers:
+            continue
+        values = gguf.dequantize(tensor.data, tensor.tensor_type)
+        stored_type = gguf.GGMLQuantizationType[tensor_type(tensor.name, values)]
+        writer.add_tensor(tensor.name, gguf.quantize(values, stored_type), raw_dtype=stored_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,9 @@ WORKLOAD = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "c
 
 SCENARIOS = {
     "mixed": dict(max_num_seqs=6),  # later requests join a running batch and hit the prefix cache
-    "preemption": dict(kv_blocks=12, max_num_seqs=8),
+    # Nine blocks per KV-cache group, the fewest a max_model_len sequence needs: models with a
+    # sliding window free blocks as they go, and preempt only under this pressure.
+    "preemption": dict(kv_blocks=9, max_num_seqs=8, max_model_len=144),
     "chunked-prefill": dict(max_num_batched_tokens=16),
 }
 
@@ -48,8 +50,8 @@ def _engine_kwargs(model_dir: Path, scenario: dict, max_model_len: int, device: 
     kwargs = dict(dtype="float32", device=device, max_model_len=max_model_len)
     kwargs.update({k: v for k, v in scenario.items() if k != "kv_blocks"})
     if "kv_blocks" in scenario:
-        per_block = KVCacheSpec.for_model(read_config(model_dir), 16, _torch_float32()).bytes_per_block
-        kwargs["kv_cache_memory"] = scenario["kv_blocks"] * per_block
+        spec = KVCacheSpec.for_model(read_config(model_dir), 16, _torch_float32())
+        kwargs["kv_cache_memory"] = scenario["kv_blocks"] * spec.bytes_per_block * len(spec.groups)  # in every group
     return kwargs
 
 

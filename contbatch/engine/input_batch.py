@@ -4,8 +4,8 @@ Kept up to date from each ``SchedulerOutput`` (new sequences, block-table change
 sequences that ended) and from the tokens the runner samples itself, as vLLM's
 ``InputBatch`` is; nothing here reads the scheduler's requests. A step's sequences are
 flattened into one varlen batch with no padding: their new tokens are concatenated
-into ``input_ids``/``positions``, each token gets its cache slot, and each sequence its
-block table and context length.
+into ``input_ids``/``positions``, and each sequence gets its context length and, per
+KV-cache group, its block table and its tokens' cache slots (one AttentionMetadata per group).
 """
 
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ class SeqState:
     stop_ids: frozenset[int]  # masked out until min_tokens are generated
     prompt_logprobs_from: int  # with prompt logprobs: the first prompt position scored
     generator: torch.Generator | None
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]]  # one per KV-cache group
 
     @property
     def num_output_tokens(self) -> int:
@@ -46,7 +46,7 @@ class SeqState:
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
+    metadata: list[AttentionMetadata]  # one per KV-cache group
     sample_rows: list[int]  # rows of the flattened batch whose logits are sampled, one per sampling sequence
     sampling_seqs: list[SeqState]
     prompt_rows: list[int] = field(default_factory=list)  # rows scored for prompt logprobs
@@ -54,8 +54,9 @@ class ModelInput:
 
 
 class InputBatch:
-    def __init__(self, block_size: int, eos_token_ids: frozenset[int], device: torch.device) -> None:
+    def __init__(self, block_size: int, num_groups: int, eos_token_ids: frozenset[int], device: torch.device) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.seqs: dict[int, SeqState] = {}
@@ -67,7 +68,8 @@ class InputBatch:
         for new in step.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new)
         for item in step.scheduled:
-            self.seqs[item.seq_id].block_table[item.table_start :] = item.new_block_ids
+            for table, (start, blocks) in zip(self.seqs[item.seq_id].block_tables, item.table_updates):
+                table[start:] = blocks
 
     def append_sampled(self, seqs: list[SeqState], tokens: list[int]) -> None:
         for seq, token in zip(seqs, tokens):
@@ -76,24 +78,31 @@ class InputBatch:
     def prepare(self, step: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per group
+        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]  # per group
         seq_lens, query_lens, sample_rows, sampling_seqs = [], [], [], []
         prompt_rows, prompt_targets = [], []
-        tables: list[list[int]] = []
         size = self.block_size
         for item in step.scheduled:
             seq, start = self.seqs[item.seq_id], item.num_computed_tokens
             end = start + item.num_new_tokens
             first_row = len(input_ids)
-            table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            if end - start <= SHORT_CHUNK:  # decodes: plain ints beat numpy's per-call cost
-                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            if end - start == 1:  # a decode
+                index, offset = divmod(start, size)
+                for table, group_slots, group_tables in zip(seq.block_tables, slots, tables):
+                    group_slots.append(table[index] * size + offset)
+                    group_tables.append(table)
             else:
-                chunk = np.arange(start, end)
-                slots.extend((np.asarray(table, dtype=np.int64)[chunk // size] * size + chunk % size).tolist())
-            tables.append(table)
+                chunk = np.arange(start, end) if end - start > SHORT_CHUNK else None
+                for table, group_slots, group_tables in zip(seq.block_tables, slots, tables):
+                    if chunk is None:  # short chunks: plain ints beat numpy's per-call cost
+                        group_slots.extend(table[p // size] * size + p % size for p in range(start, end))
+                    else:
+                        blocks = np.asarray(table, dtype=np.int64)[chunk // size]
+                        group_slots.extend((blocks * size + chunk % size).tolist())
+                    group_tables.append(table)
             seq_lens.append(end)
             query_lens.append(item.num_new_tokens)
             if seq.params.prompt_logprobs is not None:
@@ -104,19 +113,21 @@ class InputBatch:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
-        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
         query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(np.asarray(slots, dtype=np.int64), torch.int64),
-            block_tables=self._tensor(block_tables, torch.int32),
-            seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32), torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+        seq_lens_tensor = self._tensor(np.asarray(seq_lens, dtype=np.int32), torch.int32)
+        query_start_tensor = self._tensor(query_start_loc, torch.int32)
+        metadata = [
+            AttentionMetadata(
+                slot_mapping=self._tensor(np.asarray(group_slots, dtype=np.int64), torch.int64),
+                block_tables=self._tensor(_padded(group_tables), torch.int32),
+                seq_lens=seq_lens_tensor,
+                query_start_loc=query_start_tensor,
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+            )
+            for group_slots, group_tables in zip(slots, tables)
+        ]
         return ModelInput(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64), torch.int64),
             positions=self._tensor(np.asarray(positions, dtype=np.int64), torch.int64),
@@ -150,10 +161,19 @@ class InputBatch:
             stop_ids=stop_token_ids(new.params, self.eos_token_ids),
             prompt_logprobs_from=new.prompt_logprobs_from,
             generator=make_generator(new.params.seed, new.sample_index),
+            block_tables=[[] for _ in range(self.num_groups)],
         )
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """The tables as rows of one int32 array, zero-padded to the longest."""
+    array = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for row, table in enumerate(tables):
+        array[row, : len(table)] = table
+    return array
 
 
 def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:

@@ -1,14 +1,25 @@
 """The paged KV cache: block size, how many blocks fit, the tensor layout, and the tensor.
 
-Layout (docs/design/kv_cache_layout.md): one tensor
-``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` in the model's dtype;
-each layer reads its ``(key_cache, value_cache)`` pair as views of it. The block manager
-hands out block ids into this tensor; the model runner passes the per-layer views to the
-model. Everything that sizes or shapes the cache lives here.
+Layers are split into KV-cache groups (vLLM's hybrid KV cache): layers with the same
+sliding window (or none) share a group, and each sequence has one block table per group.
+Most models have one group of every layer. Gemma 3's sliding layers (a window) and global
+layers (none) form separate groups, so that the sliding layers' blocks can be freed once
+they fall out of the window (contbatch/engine/block_manager.py) while the global layers
+keep every token's.
+
+All groups draw from one pool of blocks. A block holds ``block_size`` tokens of
+``layers_per_block`` layers: every group has that many layers (the last group of a kind
+may leave some places empty), so a block fits any group and the pool needs no split
+between them. Layout (docs/design/kv_cache_layout.md): one tensor
+``[layers_per_block, 2, num_blocks, num_kv_heads, block_size, head_dim]`` in the model's
+dtype; layer ``l`` reads its ``(key_cache, value_cache)`` pair as views of place
+``layer_places[l]``, through its group's block table. With one group, places are layers
+and the tensor is ``[num_layers, 2, ...]``. Everything that sizes or shapes the cache lives here.
 """
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,28 +48,85 @@ def resolve_block_size(block_size: int | None, device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
-    """The shape of a model's cache, block by block."""
+class KVCacheGroup:
+    """Layers that share one block table per sequence: all have sliding window ``window`` (-1: none)."""
 
-    num_layers: int
+    window: int
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(layer_windows: Sequence[int]) -> tuple[KVCacheGroup, ...]:
+    """Layers grouped by window, every group of the same size (vLLM's rule): the size is the
+    fewest layers any window has (or the most, if that is under 1.5 times the fewest, to leave
+    fewer places empty), and each kind of layer is dealt round-robin into as many groups as it
+    needs. One window for every layer: one group of all layers."""
+    by_window: dict[int, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        by_window.setdefault(window, []).append(layer)
+    counts = [len(layers) for layers in by_window.values()]
+    size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+    groups = []
+    for window, layers in by_window.items():
+        num_groups = -(-len(layers) // size)
+        groups.extend(KVCacheGroup(window, tuple(layers[i::num_groups])) for i in range(num_groups))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of a model's cache, block by block, and its groups of layers."""
+
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    groups: tuple[KVCacheGroup, ...]
 
     @classmethod
     def for_model(
         cls, config: ModelConfig | TransformersModelConfig, block_size: int, dtype: torch.dtype
     ) -> "KVCacheSpec":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+        return cls(config.num_kv_heads, config.head_dim, block_size, dtype, kv_cache_groups(config.sliding_windows))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(group.layers) for group in self.groups)
+
+    @property
+    def layers_per_block(self) -> int:
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        return tuple(group.window for group in self.groups)
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        """Each layer's group."""
+        owner = [0] * self.num_layers
+        for index, group in enumerate(self.groups):
+            for layer in group.layers:
+                owner[layer] = index
+        return tuple(owner)
+
+    @property
+    def layer_places(self) -> tuple[int, ...]:
+        """Each layer's place in a block (its index in its group)."""
+        places = [0] * self.num_layers
+        for group in self.groups:
+            for place, layer in enumerate(group.layers):
+                places[layer] = place
+        return tuple(places)
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block of the pool (``block_size`` tokens of one group's layers)."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * element
+        return self.layers_per_block * 2 * self.num_kv_heads * self.block_size * self.head_dim * element
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks of the pool that ``num_tokens`` tokens take in every group."""
+        return len(self.groups) * -(-num_tokens // self.block_size)
 
     def num_blocks(
         self, memory: int | None, max_model_len: int, max_num_seqs: int, device: torch.device
@@ -82,10 +150,10 @@ class KVCacheSpec:
         return num_blocks
 
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, list[KVCache]]:
-        """The cache tensor (uninitialised: a block is written before it is read) and its per-layer views."""
-        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        """The cache tensor (uninitialised: a block is written before it is read) and each layer's views."""
+        shape = (self.layers_per_block, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         cache = torch.empty(shape, dtype=self.dtype, device=device)
-        return cache, [(layer[0], layer[1]) for layer in cache]
+        return cache, [(cache[place, 0], cache[place, 1]) for place in self.layer_places]
 
 
 def available_memory(device: torch.device) -> int:

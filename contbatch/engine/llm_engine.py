@@ -42,9 +42,11 @@ class LLMEngine:
         cache_spec = KVCacheSpec.for_model(self.model_config, config.block_size, dtype)
         num_blocks = cache_spec.num_blocks(config.kv_cache_memory, self.max_model_len, config.max_num_seqs, device)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model_dir)
-        model = load_model(model_dir, self.model_config, dtype, device, self.max_model_len)
+        model = load_model(model_dir, self.model_config, dtype, device, self.max_model_len,
+                           config.quantization_spec())
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          group_windows=cache_spec.group_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(model, cache_spec, num_blocks, self.eos_token_ids, device, config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)

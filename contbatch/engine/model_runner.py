@@ -42,7 +42,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.kv_cache, self.kv_caches = cache_spec.allocate(num_blocks, device)
-        self.batch = InputBatch(cache_spec.block_size, eos_token_ids, device)
+        self.layer_groups = cache_spec.layer_groups
+        self.batch = InputBatch(cache_spec.block_size, len(cache_spec.groups), eos_token_ids, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -52,11 +53,12 @@ class ModelRunner:
         self.batch.update(step)
         if step.blocks_to_copy:
             mapping = torch.tensor(step.blocks_to_copy, dtype=torch.int64, device=self.device)
-            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            ops.copy_blocks(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]), mapping)  # a block's every layer
         model_input = self.batch.prepare(step)
+        metadata = [model_input.metadata[group] for group in self.layer_groups]
         result = RunnerOutput()
         start = time.perf_counter()
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata)
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, metadata)
         if model_input.prompt_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, model_input.prompt_rows, model_input.prompt_targets)
         seqs = model_input.sampling_seqs

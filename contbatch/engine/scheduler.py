@@ -188,13 +188,15 @@ class Scheduler:
             self._add_scheduled(output, request, num_new)
             budget -= num_new
 
-    def _cached_prefix(self, request: Request) -> list[int]:
+    def _cached_prefix(self, request: Request) -> list[tuple[int, ...]]:
         tokens = request.token_ids
         if request.params.prompt_logprobs is not None:  # positions from the first scored one on must be computed
             tokens = tokens[: request.prompt_logprobs_from]
         return self.block_manager.find_cached_prefix(request.seq_id, tokens)
 
-    def _allocate_for_waiting(self, request: Request, num_cached: int, num_new: int, cached: list[int]) -> bool:
+    def _allocate_for_waiting(
+        self, request: Request, num_cached: int, num_new: int, cached: list[tuple[int, ...]]
+    ) -> bool:
         """A waiting request is worth more than blocks others took ahead: release them if needed."""
         if self._allocate(request, num_new, num_cached, cached):
             return True
@@ -202,10 +204,11 @@ class Scheduler:
             request, num_new, num_cached, cached
         )
 
-    def _allocate(self, request: Request, num_new: int, num_computed: int | None = None, cached: list[int] = ()) -> bool:
+    def _allocate(
+        self, request: Request, num_new: int, num_computed: int | None = None, cached: list[tuple[int, ...]] = ()
+    ) -> bool:
         computed = request.num_computed_tokens if num_computed is None else num_computed
-        blocks = self.block_manager.allocate(request.seq_id, computed, num_new, cached, request.final_num_tokens)
-        return blocks is not None
+        return self.block_manager.allocate(request.seq_id, computed, num_new, cached, request.final_num_tokens)
 
     def _token_counts(self) -> list[tuple[int, int]]:
         return [(r.seq_id, r.num_tokens) for r in self.running]
@@ -218,9 +221,8 @@ class Scheduler:
                 NewSeq(request.seq_id, request.request_id, request.sample_index, request.params,
                        tuple(request.prompt_token_ids), request.prompt_logprobs_from)
             )
-        table_start, new_blocks = self.block_manager.block_table_update(request.seq_id, end)
-        samples = end == request.num_tokens
-        output.scheduled.append(ScheduledSeq(request.seq_id, start, num_new, samples, table_start, tuple(new_blocks)))
+        tables = self.block_manager.block_table_update(request.seq_id, end)
+        output.scheduled.append(ScheduledSeq(request.seq_id, start, num_new, end == request.num_tokens, tables))
 
     @staticmethod
     def _tokens_to_compute(request: Request, num_computed: int | None = None) -> int:

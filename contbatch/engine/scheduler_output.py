@@ -2,7 +2,7 @@
 
 The runner keeps its own state of every sequence (contbatch/engine/input_batch.py) and
 updates it from these: sequences it has not seen, each scheduled sequence's token
-counts and block-table change, and the sequences that ended.
+counts and block-table changes (one table per KV-cache group), and the sequences that ended.
 """
 
 from dataclasses import dataclass, field
@@ -30,8 +30,9 @@ class ScheduledSeq(NamedTuple):
     num_computed_tokens: int  # tokens already in the cache: this step computes the next ones
     num_new_tokens: int
     samples: bool  # the chunk reaches the end of the sequence's tokens, so a token is sampled
-    table_start: int  # the runner keeps this many entries of the sequence's block table...
-    new_block_ids: tuple[int, ...]  # ...and replaces the rest with these
+    # Per KV-cache group, (start, blocks): the runner keeps the first start entries of the
+    # sequence's block table of that group and replaces the rest with blocks.
+    table_updates: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 @dataclass

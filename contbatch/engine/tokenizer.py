@@ -5,9 +5,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from contbatch.models.gguf import gguf_eos_token_ids, is_gguf_file
+
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model directory, or of a GGUF file (which holds its own)."""
     try:
+        if is_gguf_file(model_dir):
+            return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(
@@ -17,7 +22,15 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    """Every EOS id from generation_config.json, config.json and the tokenizer (models list several)."""
+    """Every EOS id from generation_config.json and config.json (or a GGUF file's metadata) and
+    the tokenizer (models list several)."""
+    ids = gguf_eos_token_ids(model_dir) if is_gguf_file(model_dir) else _config_eos_ids(model_dir)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _config_eos_ids(model_dir: Path) -> set[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         path = model_dir / name
@@ -26,9 +39,7 @@ def eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase | None) ->
                 ids |= _as_ids(json.loads(path.read_text()).get("eos_token_id"))
             except (json.JSONDecodeError, AttributeError):
                 continue
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
+    return ids
 
 
 def _as_ids(value: object) -> set[int]:

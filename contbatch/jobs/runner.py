@@ -12,6 +12,7 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from contbatch.config import Quantization
 from contbatch.jobs import fingerprints
 from contbatch.jobs.ledger import Claim, IdLedger
 from contbatch.jobs.output import (
@@ -137,7 +138,7 @@ def run_job(
             ``<output>.errors.jsonl`` (bad records) are written beside it. ``"-"``:
             standard output (JSONL), with no resume and no file beside it (bad records are
             only logged). Anything else that is not a regular file is refused (OutputError).
-        model: model directory; default: the demo model. Needed with ``llm`` too
+        model: model directory or GGUF file; default: the demo model. Needed with ``llm`` too
             (it identifies the model in the settings file).
         llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
         sampling_params: defaults for every record; lines may override fields
@@ -189,7 +190,8 @@ def run_job(
         known = input_settings(params, prompt)
         redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
         llm = llm or LLM(model, **(llm_kwargs or {}))
-        settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt)
+        settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt,
+                                _described(llm.engine.config.quantization_spec()))
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
@@ -494,3 +496,8 @@ class _StopSignal:
             self._deferred = True
         else:
             raise KeyboardInterrupt
+
+
+
+def _described(quantization: Quantization | None) -> str | None:
+    return None if quantization is None else quantization.describe()

@@ -29,9 +29,10 @@ class SettingsMismatch(ValueError):
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over the files that decide a model's outputs, without reading whole weight files."""
+    """sha256 over the files that decide a model's outputs (a GGUF file is all of them),
+    without reading whole weight files."""
     digest = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
+    for path in [model_dir] if model_dir.is_file() else sorted(model_dir.iterdir()):
         relevant = path.name.endswith(_WEIGHT_SUFFIXES + _SMALL_SUFFIXES) and not path.name.startswith(".")
         if not (relevant and path.is_file()):
             continue
@@ -45,9 +46,20 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def job_settings(model_fp: str, dtype: str, max_model_len: int | None, params: SamplingParams, prompt: dict) -> dict:
-    """Flat {"section.key": JSON value} settings that must match between runs of one job."""
+def job_settings(
+    model_fp: str,
+    dtype: str,
+    max_model_len: int | None,
+    params: SamplingParams,
+    prompt: dict,
+    quantization: str | None = None,
+) -> dict:
+    """Flat {"section.key": JSON value} settings that must match between runs of one job.
+    ``quantization`` (e.g. "int8, LM head int8") is recorded only when set, so that jobs
+    written before it existed still resume."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
+    if quantization is not None:
+        settings["engine.quantization"] = quantization
     settings.update(input_settings(params, prompt))
     return settings
 

@@ -11,6 +11,9 @@ every call. Two layouts replace it:
   1.1-1.4x from 4 to 64 rows, level at 256 and 2% slower at 720 (benchmarks/linear.py;
   table in docs/performance.md). On AVX2 CPUs oneDNN has no bf16 path at all. Sums are
   fp32 in a different order from F.linear's, so a result can differ by one bf16 rounding step.
+- ``int8`` (``LLM(quantization="int8")``, or Q8_0 tensors of a GGUF file): 8-bit weights in
+  blocks of 32 inputs with an fp16 scale each, activations quantized per token and block on
+  every call, int32 block sums (contbatch/ops/int8_blocks.py, csrc/cpu/int8_linear_kernel.h).
 - ``onednn`` (fp32; bf16 only without the extension, on CPUs where oneDNN does bf16):
   oneDNN's blocked format, called directly; 1.3-2.4x faster than ``F.linear`` for the
   few-token matmuls of decode and no slower at 256 tokens, with ``F.linear``'s results.
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch import ops
+from contbatch.ops.int8_blocks import Int8Blocks, PackedInt8, pack_int8, quantize_weight
 from contbatch.ops.panel_layout import pack_panels
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
@@ -32,8 +36,8 @@ _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
 class PackedWeight:
     """A weight [out_features, in_features] in a kernel's layout; read by ``packed_linear``."""
 
-    data: torch.Tensor
-    layout: str  # "panels" or "onednn"
+    data: torch.Tensor | PackedInt8
+    layout: str  # "panels", "onednn" or "int8"
     out_features: int
 
 
@@ -68,6 +72,11 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
+def int8_packed(weight: Int8Blocks) -> PackedWeight:
+    """A weight in 8-bit blocks, in the int8 kernel's layout."""
+    return PackedWeight(pack_int8(weight), "int8", weight.values.shape[0])
+
+
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
@@ -75,7 +84,12 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype, device=x.device)
-    ops.bf16_linear(out, rows, packed.data, bias)
+    if packed.layout == "int8":
+        weight = packed.data
+        x_values, x_scales = ops.int8_quantize_rows(rows)
+        ops.int8_linear(out, x_values, x_scales, weight.values, weight.scales, weight.sums, bias)
+    else:
+        ops.bf16_linear(out, rows, packed.data, bias)
     return out.view(*x.shape[:-1], packed.out_features)
 
 
@@ -91,15 +105,39 @@ class Linear(nn.Linear):
         packed = pack_weight(self.weight)
         if packed is None:
             return False
+        self._replace_weight(packed)
+        return True
+
+    def quantize_int8(self, blocks: Int8Blocks | None = None) -> None:
+        """Runs on 8-bit weights from now on: ``blocks`` as given (a GGUF file's Q8_0
+        tensor), or this layer's weight quantized (Q8_0 rules, ops/int8_blocks.py)."""
+        if self.packed_weight is not None:
+            raise RuntimeError("quantize_int8: the weight is packed already")
+        if blocks is None:
+            blocks = quantize_weight(self.weight)
+        expected = (self.out_features, self.in_features)
+        if (blocks.values.shape[0], blocks.in_features) != expected:
+            raise ValueError(f"int8 weight is [{blocks.values.shape[0]}, {blocks.in_features}], layer needs {list(expected)}")
+        self._replace_weight(int8_packed(blocks))
+
+    def _replace_weight(self, packed: PackedWeight) -> None:
         self.packed_weight = packed
         # The plain layout is never read again; keep only its dtype so repr() still works.
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight, self.bias)
+
+
+def quantize_linears(model: nn.Module, keep_dense: tuple[nn.Module | None, ...] = ()) -> int:
+    """Quantize every ``Linear`` of a loaded model to int8 except those in ``keep_dense`` and
+    those packed already (a GGUF file's Q8_0 layers); returns how many were quantized."""
+    chosen = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None and m not in keep_dense]
+    for module in chosen:
+        module.quantize_int8()
+    return len(chosen)
 
 
 def pack_linears(model: nn.Module) -> int:

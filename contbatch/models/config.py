@@ -63,6 +63,11 @@ class ModelConfig:
             return self.sliding_window
         return -1
 
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Every layer's sliding window, -1 for none (as TransformersModelConfig has them)."""
+        return tuple(self.layer_window(layer) for layer in range(self.num_layers))
+
 
 def read_raw_config(model_dir: Path) -> dict:
     """config.json as a dict, raising ValueError when it is missing or not a JSON object."""
@@ -82,8 +87,12 @@ def load_model_config(model_dir: Path, architectures: tuple[str, ...]) -> ModelC
     """Parse config.json for a native model, raising ValueError with the reason when it is
     missing or malformed, NativeModelLacks when it is not one of ``architectures`` or needs a
     feature they lack."""
-    path = model_dir / "config.json"
-    raw = read_raw_config(model_dir)
+    return parse_model_config(read_raw_config(model_dir), architectures, model_dir / "config.json")
+
+
+def parse_model_config(raw: dict, architectures: tuple[str, ...], path: Path) -> ModelConfig:
+    """``raw`` (a config.json's contents) for a native model, as ``load_model_config``;
+    ``path`` names where it came from (a config.json, a GGUF file) in errors."""
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in architectures), None)
     if arch is None:

@@ -13,6 +13,7 @@
 import torch
 from torch import nn
 
+from contbatch.config import Quantization
 from contbatch.layers.norm import GemmaRMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
@@ -46,12 +47,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self.local_rotary: RotaryEmbedding | None = None
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, quantization: Quantization | None = None) -> None:
         """After loading: fold the 1 into every norm's weight, then pack as Llama does."""
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.fold_one()
-        super().pack_weights()
+        super().pack_weights(quantization)
 
     def init_rotary(self, max_positions: int) -> None:
         super().init_rotary(max_positions)

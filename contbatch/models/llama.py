@@ -6,12 +6,25 @@ gate/up projections are fused into one matmul each; the weight loader fills the
 fused matrices from the checkpoint's separate tensors.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from contbatch.layers.activation import GATED_ACTIVATIONS
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from contbatch.layers.linear import Linear, PackedWeight, pack_linears, pack_weight, packed_linear
+from contbatch.layers.linear import (
+    Linear,
+    PackedWeight,
+    int8_packed,
+    pack_linears,
+    pack_weight,
+    packed_linear,
+    quantize_linears,
+)
+from contbatch.config import Quantization
+from contbatch.layers.embedding import Int8Embedding
+from contbatch.ops.int8_blocks import quantize_weight
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
@@ -113,11 +126,21 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
 
-    def pack_weights(self) -> None:
-        """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel."""
+    def pack_weights(self, quantization: Quantization | None = None) -> None:
+        """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel,
+        in 8-bit blocks where ``quantization`` says so."""
+        if quantization is not None:
+            quantize_linears(self, keep_dense=() if quantization.lm_head else (self.lm_head,))
         pack_linears(self)
+        embedding = self.embed_tokens.weight
+        int8_head = quantization is not None and quantization.lm_head and self.lm_head is None
+        int8_lookup = quantization is not None and quantization.embeddings
+        # One int8 copy of the table serves both a tied head and the lookup.
+        int8_table = int8_packed(quantize_weight(embedding)) if int8_head or int8_lookup else None
         if self.lm_head is None:
-            self.tied_head_packed = pack_weight(self.embed_tokens.weight)
+            self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
+        if int8_lookup:
+            self.embed_tokens = Int8Embedding(int8_table.data, embedding.dtype)
 
     def init_rotary(self, max_positions: int) -> None:
         """Build the cos/sin tables once the weights are materialised (they are not parameters)."""
@@ -134,12 +157,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] of a flattened varlen batch."""
+        """Hidden states [num_tokens, hidden_size] of a flattened varlen batch; ``kv_caches`` and
+        ``metadata`` (block tables and slots of the layer's KV-cache group) per layer."""
         hidden, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, self.rotary_for(layer), kv_cache, metadata)
+        for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata):
+            hidden, residual = layer(hidden, residual, positions, self.rotary_for(layer), kv_cache, layer_metadata)
         return self.norm.add_and_norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""Pick a model's path (native or transformers), build it and load its safetensors weights (sharded too).
+"""Pick a model's path (native or transformers), build it and load its safetensors weights
+(sharded too) or a GGUF file's.
 
 A native model is created on the meta device (no random init, no memory), materialised
 empty in the target dtype, and each checkpoint tensor is copied straight into its
 parameter (or its slice of a fused one), so the full state dict never exists twice.
 Any other decoder-only model runs on transformers' own modeling code with contbatch's
-paged attention (contbatch/models/transformers_backend.py).
+paged attention (contbatch/models/transformers_backend.py). A GGUF file (contbatch/models/gguf.py)
+loads the same way into a native model; its linear layers stored as Q8_0 take the file's
+8-bit blocks as they are.
 """
 
 import logging
@@ -14,11 +17,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from contbatch.config import Quantization
+from contbatch.layers.linear import Linear
 from contbatch.models.config import ModelConfig, NativeModelLacks, load_model_config
 from contbatch.models.gemma3 import Gemma3ForCausalLM
+from contbatch.models.gguf import GGUFTensor, gguf_tensors, is_gguf_file, read_gguf_config
 from contbatch.models.llama import LlamaForCausalLM
 from contbatch.models.transformers_backend import load_transformers_model
 from contbatch.models.transformers_config import TransformersModelConfig, read_transformers_config
+from contbatch.ops.int8_blocks import Int8Blocks
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -49,13 +56,16 @@ logger = logging.getLogger(__name__)
 def read_config(model_dir: Path, model_impl: str = "auto") -> ModelConfig | TransformersModelConfig:
     """The config of the path that will run the model (its type says which), or ValueError
     naming the problem (missing, malformed, an architecture neither path can run).
+    ``model_dir`` may be a GGUF file instead, which runs on the native models only.
 
     ``model_impl`` (``EngineConfig.model_impl``): "native" takes contbatch's own model only,
     "transformers" transformers' modeling code only, "auto" the native model when it can run
     the config, else transformers' code."""
+    if is_gguf_file(model_dir):
+        return _gguf_config(model_dir, model_impl)
     if model_dir.is_file():
         raise ValueError(f"model {str(model_dir)!r} is a file; pass the model's directory (config.json, "
-                         "*.safetensors and tokenizer files)")
+                         "*.safetensors and tokenizer files) or a .gguf file")
     if not model_dir.is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     if model_impl == "transformers":
@@ -70,6 +80,15 @@ def read_config(model_dir: Path, model_impl: str = "auto") -> ModelConfig | Tran
                              "transformers' modeling code)") from None
         return _transformers_instead(model_dir, native_refusal)
     logger.info("%s: running contbatch's native model", config.architecture)
+    return config
+
+
+def _gguf_config(path: Path, model_impl: str) -> ModelConfig:
+    if model_impl == "transformers":
+        raise ValueError(f"model {str(path)!r} is a GGUF file, which runs on contbatch's native models only; "
+                         "model_impl='transformers' takes a model directory")
+    config = read_gguf_config(path)
+    logger.info("%s from a GGUF file: running contbatch's native model", config.architecture)
     return config
 
 
@@ -89,18 +108,24 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    quantization: Quantization | None = None,
 ) -> nn.Module:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    gguf = is_gguf_file(model_dir)
+    files = [] if gguf else sorted(model_dir.glob("*.safetensors"))
+    if not (gguf or files):
         raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
     if isinstance(config, TransformersModelConfig):
-        return load_transformers_model(model_dir, config, dtype, device)
+        return load_transformers_model(model_dir, config, dtype, device, quantization)
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    _load_weights(model, config, files)
+    if gguf:
+        # The int8 kernels run on the CPU only; elsewhere Q8_0 tensors load densely (exactly).
+        _load_gguf_weights(model, config, model_dir, int8=device.type == "cpu")
+    else:
+        _load_weights(model, config, files)
     model.init_rotary(max_positions)
-    model.pack_weights()
+    model.pack_weights(quantization)
     return model.eval()
 
 
@@ -139,6 +164,54 @@ def _load_file(file: Path, params: dict[str, torch.Tensor], config: ModelConfig,
     return all_zero
 
 
+def _load_gguf_weights(model: nn.Module, config: ModelConfig, path: Path, int8: bool) -> None:
+    """Copies a GGUF file's tensors into ``model``; with ``int8``, a linear layer whose tensors
+    are all Q8_0 takes their 8-bit blocks instead."""
+    params = dict(model.named_parameters())
+    expected = _expected_checkpoint_names(params, config)
+    tensors = gguf_tensors(path, config, expected)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ValueError(f"GGUF file {str(path)!r} is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    int8_layers = _q8_0_layers(model, config, tensors) if int8 else {}
+    for name, tensor in tensors.items():
+        target, shard = _target_name(name, _fusion(config))
+        if target not in int8_layers:
+            _copy_into(params[target], shard, tensor.dense(), config, name)
+    for target, names in int8_layers.items():
+        blocks = _fused_blocks(params[target], [(name, tensors[name]) for name in names], config)
+        model.get_submodule(target.removesuffix(".weight")).quantize_int8(blocks)
+
+
+def _q8_0_layers(model: nn.Module, config: ModelConfig, tensors: dict[str, GGUFTensor]) -> dict[str, list[str]]:
+    """Linear layers' weight names -> their checkpoint tensors in fused order (q|k|v, gate|up),
+    for the layers whose tensors are all Q8_0."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name in tensors:
+        target, shard = _target_name(name, _fusion(config))
+        groups.setdefault(target, []).append((shard or 0, name))
+    return {target: [name for _, name in sorted(group)] for target, group in groups.items()
+            if _is_linear_weight(model, target) and all(tensors[name].is_q8_0 for _, name in group)}
+
+
+def _is_linear_weight(model: nn.Module, param_name: str) -> bool:
+    module_name, _, kind = param_name.rpartition(".")
+    return kind == "weight" and isinstance(model.get_submodule(module_name), Linear)
+
+
+def _fused_blocks(param: torch.Tensor, pieces: list[tuple[str, GGUFTensor]], config: ModelConfig) -> Int8Blocks:
+    """A layer's Q8_0 pieces as one matrix: their rows (values and scales alike) concatenated,
+    each piece checked against the slice of ``param`` it stands for."""
+    blocks = []
+    for name, tensor in pieces:
+        piece = tensor.int8_blocks()
+        slice_shape = _destination(param, _target_name(name, _fusion(config))[1], config, name).shape
+        _check_shape(name, (piece.values.shape[0], piece.in_features), tuple(slice_shape))
+        blocks.append(piece)
+    values, scales = torch.cat([b.values for b in blocks]), torch.cat([b.scales for b in blocks])
+    return Int8Blocks(values, scales, blocks[0].in_features)
+
+
 def _fusion(config: ModelConfig) -> dict[str, tuple[str, int]]:
     """The checkpoint's separate projections that fill slices of our fused ones."""
     return {} if config.architecture in _FUSED_IN_CHECKPOINT else _FUSED
@@ -157,15 +230,22 @@ def _target_name(checkpoint_name: str, fusion: dict[str, tuple[str, int]]) -> tu
 
 def _copy_into(param: torch.Tensor, shard: int | None, tensor: torch.Tensor, config: ModelConfig, name: str) -> None:
     with torch.no_grad():
-        if shard is None:
-            destination = param
-        else:
-            sizes = _shard_sizes(name, config)
-            start = sum(sizes[:shard])
-            destination = param.narrow(0, start, sizes[shard])
-        if destination.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+        destination = _destination(param, shard, config, name)
+        _check_shape(name, tuple(tensor.shape), tuple(destination.shape))
         destination.copy_(tensor)
+
+
+def _destination(param: torch.Tensor, shard: int | None, config: ModelConfig, name: str) -> torch.Tensor:
+    """``param``, or the rows of it that fused shard ``shard`` fills."""
+    if shard is None:
+        return param
+    sizes = _shard_sizes(name, config)
+    return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {expected}")
 
 
 def _shard_sizes(checkpoint_name: str, config: ModelConfig) -> list[int]:

@@ -3,7 +3,7 @@
 transformers' modeling files look attention up in a registry by ``config._attn_implementation``
 and pass every keyword argument of the model's forward down to it. So each step's KV caches
 and ``AttentionMetadata`` travel as one forward keyword, ``contbatch_step``, with no global
-state; the function finds its layer's cache by ``module.layer_idx``, writes the new K/V there
+state; the function finds its layer's cache and metadata by ``module.layer_idx``, writes the new K/V there
 and runs the same ``PagedAttention`` as the native models. Its mask builder builds nothing:
 the kernels mask by each sequence's context and window.
 """
@@ -28,7 +28,7 @@ class PagedStep:
 
     attention: Sequence[PagedAttention]  # per layer, with its window
     kv_caches: Sequence[KVCache]
-    metadata: AttentionMetadata
+    metadata: Sequence[AttentionMetadata]  # per layer: its KV-cache group's block tables and slots
 
 
 def paged_attention_forward(
@@ -56,7 +56,7 @@ def paged_attention_forward(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, head_dim] views
     # Models pass their own scale with each call: Granite's attention_multiplier, GPT-2's
     # scale_attn_by_inverse_layer_idx, Gemma's query_pre_attn_scalar.
-    out = attention(q, k, v, contbatch_step.kv_caches[layer], contbatch_step.metadata, scale=scaling)
+    out = attention(q, k, v, contbatch_step.kv_caches[layer], contbatch_step.metadata[layer], scale=scaling)
     return out.unsqueeze(0), None
 
 

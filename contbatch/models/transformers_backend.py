@@ -4,11 +4,12 @@ transformers' own modeling code runs the model; only attention is ours
 (contbatch/models/transformers_attention.py). The batch is the runner's flat varlen batch
 as one row ``[1, num_tokens]``, with each token's position in its own sequence: no padding,
 no mask tensor, no HF cache. The model offers the runner what a native model does:
-``forward(input_ids, positions, kv_caches, metadata)`` returns hidden states, and
+``forward(input_ids, positions, kv_caches, metadata)`` (both per layer) returns hidden states, and
 ``compute_logits`` turns the rows the runner picks into logits with the model's own head code.
 """
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from contbatch.layers.linear import Linear, pack_linears
+from contbatch.config import Quantization
+from contbatch.layers.embedding import Int8Embedding
+from contbatch.layers.linear import Linear, int8_packed, pack_linears, quantize_linears
+from contbatch.ops.int8_blocks import quantize_weight
 from contbatch.models.transformers_attention import ATTENTION_NAME, PagedStep, register_paged_attention
 from contbatch.models.transformers_config import TransformersModelConfig
 
@@ -67,7 +71,7 @@ class TransformersCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of a flattened varlen batch."""
         step = PagedStep(self.attention, kv_caches, metadata)
@@ -80,10 +84,15 @@ class TransformersCausalLM(nn.Module):
 
 
 def load_transformers_model(
-    model_dir: Path, config: TransformersModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    config: TransformersModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: Quantization | None = None,
 ) -> TransformersCausalLM:
     """The model through ``AutoModelForCausalLM`` (safetensors only), on ``contbatch_paged``
-    attention, its linear layers packed for the CPU kernels, tried on one token."""
+    attention, its linear layers packed for the CPU kernels (8-bit where ``quantization`` says so),
+    tried on one token."""
     register_paged_attention()
     try:
         causal_lm, info = AutoModelForCausalLM.from_pretrained(
@@ -99,13 +108,13 @@ def load_transformers_model(
         raise ValueError(f"{config.architecture} has no separate transformer stack "
                          f"(no {causal_lm.base_model_prefix!r} module) to run apart from its head")
     causal_lm = causal_lm.to(device).eval()
-    _pack_linear_layers(causal_lm)
+    _pack_linear_layers(causal_lm, quantization)
     model = TransformersCausalLM(causal_lm, config)
     _try_one_token(model, dtype, device)
     return model
 
 
-def _pack_linear_layers(model: nn.Module) -> None:
+def _pack_linear_layers(model: nn.Module, quantization: Quantization | None) -> None:
     """Swap each ``nn.Linear`` for contbatch's ``Linear`` (same parameters) and lay its weight
     out for the CPU kernels, as the native models do."""
     for parent in list(model.modules()):
@@ -114,7 +123,12 @@ def _pack_linear_layers(model: nn.Module) -> None:
                 linear = Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
+    if quantization is not None:
+        quantize_linears(model, keep_dense=() if quantization.lm_head else (model.get_output_embeddings(),))
     pack_linears(model)
+    if quantization is not None and quantization.embeddings:
+        table = model.get_input_embeddings().weight
+        model.set_input_embeddings(Int8Embedding(int8_packed(quantize_weight(table)).data, table.dtype))
 
 
 @torch.inference_mode()
@@ -133,7 +147,7 @@ def _try_one_token(model: TransformersCausalLM, dtype: torch.dtype, device: torc
     )  # fmt: skip
     token = torch.zeros(1, dtype=torch.int64, device=device)
     try:
-        logits = model.compute_logits(model(token, token, caches, metadata))
+        logits = model.compute_logits(model(token, token, caches, [metadata] * config.num_layers))
     except Exception as exc:  # transformers' code for an arbitrary model: name the model and what failed
         reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise ValueError(f"{config.architecture} cannot run on contbatch's paged attention: {reason}") from exc

@@ -129,6 +129,15 @@ def bf16_linear_available() -> bool:
 _choose_isa_from_environment()
 
 bf16_linear = _native.bf16_linear if _native is not None else reference.bf16_linear
+int8_quantize_rows = _native.int8_quantize_rows if _native is not None else reference.int8_quantize_rows
+int8_linear = _native.int8_linear if _native is not None else reference.int8_linear
+
+
+def int8_kernel_isa() -> str | None:
+    """Which int8 linear kernel runs under the active tier: "avx512_vnni" (either AVX-512 tier
+    on a CPU with VNNI), "avx2" (AVX2, and AVX-512 without VNNI) or "generic"; None without
+    the extension."""
+    return None if _native is None else _native.int8_kernel_isa()
 
 __all__ = [
     "BACKEND",
@@ -138,6 +147,9 @@ __all__ = [
     *ROW_OPS,
     "bf16_linear",
     "bf16_linear_available",
+    "int8_quantize_rows",
+    "int8_linear",
+    "int8_kernel_isa",
     "CPU_ISAS",
     "cpu_isa",
     "supported_cpu_isas",

@@ -9,6 +9,7 @@ once, in docs/design/kv_cache_layout.md.
 import torch
 import torch.nn.functional as F
 
+from contbatch.ops import int8_blocks
 from contbatch.ops.panel_layout import unpack_panels
 
 
@@ -54,12 +55,15 @@ def paged_attention(
         q_begin, q_end = q_starts[seq], q_starts[seq + 1]
         if q_end == q_begin:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[seq, :num_blocks].long()
-        keys = _gather_sequence(key_cache, blocks, seq_len)
-        values = _gather_sequence(value_cache, blocks, seq_len)
+        # Keys before the first query's window are never read: their blocks may be freed.
+        first_key = 0 if sliding_window <= 0 else max(0, seq_len - (q_end - q_begin) - sliding_window + 1)
+        first_block = first_key // block_size
+        blocks = block_tables[seq, first_block : (seq_len + block_size - 1) // block_size].long()
+        skip = first_block * block_size
+        keys = _gather_sequence(key_cache, blocks, seq_len - skip)
+        values = _gather_sequence(value_cache, blocks, seq_len - skip)
         q = query[q_begin:q_end].transpose(0, 1).float()  # [heads, q_len, head]
-        mask = _causal_mask(q_end - q_begin, seq_len, sliding_window, q.device)
+        mask = _causal_mask(q_end - q_begin, seq_len, sliding_window, q.device)[:, skip:]
         attn = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -148,3 +152,29 @@ def bf16_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
     if bias is not None:
         result += bias.float()
     out.copy_(result)
+
+
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values int8 [rows, padded_in], scales fp32 [rows, blocks]) of ``x``: per-token,
+    per-block quantization (contbatch/ops/int8_blocks.py)."""
+    blocks = int8_blocks.quantize_activations(x)
+    return blocks.values, blocks.scales
+
+
+def int8_linear(
+    out: torch.Tensor,
+    x_values: torch.Tensor,
+    x_scales: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    sums: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> None:
+    """out = x @ weight.T (+ bias) from quantized activations and a packed int8 weight."""
+    del sums  # only the VNNI kernel's unsigned inputs need them
+    rows, out_features = out.shape
+    padded = x_values.shape[1]
+    packed = int8_blocks.PackedInt8(values, scales, torch.empty(0), out_features, padded)
+    weight = int8_blocks.unpack_int8(packed)
+    x = int8_blocks.Int8Blocks(x_values, x_scales, padded)
+    out.copy_(int8_blocks.int8_linear_reference(x, weight, bias))

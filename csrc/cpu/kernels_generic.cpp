@@ -14,5 +14,5 @@ namespace {
 #include "kernel_tier.h"
 }  // namespace
 
-const KernelSet* generic_kernel_set() { return &kTierKernels; }
+const KernelSet* generic_kernel_set() { return &kTierTable; }
 }  // namespace contbatch::cpu

@@ -6,6 +6,9 @@
 //   CONTBATCH_TIER_SIMD    the tier's simd header ("simd_avx2.h")
 //   CONTBATCH_TIER_NAME    the tier's name as CONTBATCH_CPU_ISA spells it ("avx2")
 //   CONTBATCH_TIER_GETTER  the kernel_set.h getter it defines (avx2_kernel_set)
+// and, for a table other than the tier's KernelSet (the int8 kernels, int8_<tier>.cpp):
+//   CONTBATCH_TIER_BODY    the header that instantiates it ("int8_tier.h"; default "kernel_tier.h")
+//   CONTBATCH_TIER_TABLE   its type (Int8Kernels; default KernelSet), named kTierTable by the body
 // Everything compiled for the tier has internal linkage, so no tier's code can stand in
 // for an inline function that other translation units share. Only GCC on x86-64 builds
 // the tiers; elsewhere the getter returns nullptr and the generic kernels run.
@@ -13,7 +16,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int8_kernel_api.h"
 #include "kernel_set.h"
+
+#ifndef CONTBATCH_TIER_BODY
+#define CONTBATCH_TIER_BODY "kernel_tier.h"
+#define CONTBATCH_TIER_TABLE KernelSet
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 
@@ -30,19 +39,19 @@ CONTBATCH_TARGET(CONTBATCH_TIER_TARGET)
 namespace contbatch::cpu {
 namespace {
 #include CONTBATCH_TIER_SIMD
-#include "kernel_tier.h"
+#include CONTBATCH_TIER_BODY
 }  // namespace
 }  // namespace contbatch::cpu
 #pragma GCC pop_options
 
 namespace contbatch::cpu {
-const KernelSet* CONTBATCH_TIER_GETTER() { return &kTierKernels; }
+const CONTBATCH_TIER_TABLE* CONTBATCH_TIER_GETTER() { return &kTierTable; }
 }  // namespace contbatch::cpu
 
 #else
 
 namespace contbatch::cpu {
-const KernelSet* CONTBATCH_TIER_GETTER() { return nullptr; }
+const CONTBATCH_TIER_TABLE* CONTBATCH_TIER_GETTER() { return nullptr; }
 }  // namespace contbatch::cpu
 
 #endif

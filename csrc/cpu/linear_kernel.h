@@ -1,7 +1,7 @@
 // The bf16 linear kernel over panel-packed weights (layout: linear_kernel_api.h), written
 // against the tier's accumulate_pair_row (vdpbf16ps on AVX512_BF16 in simd_avx512.h, bf16
 // widened to fp32 elsewhere in simd_bf16_emulated.h) and included after layers_kernel.h
-// (load1 / store1). Products of bf16 are exact and sums are fp32; the result is rounded to
+// (load1 / store1) and linear_tiles.h. Products of bf16 are exact and sums are fp32; the result is rounded to
 // bf16 once, after the bias.
 //
 // A row tile of kLinearTileRows rows first stages its inputs (stage_pair: the raw bits of
@@ -17,28 +17,6 @@ static_assert(kLinearTileRows <= kMaxLinearTileRows && sizeof(StagedPair) <= 8, 
 constexpr int kTileColumns = kLinearTileVectors * kLanes;
 static_assert(kPanelColumns % kTileColumns == 0, "column tiles must divide a panel");
 constexpr int64_t kWidenFromRows = 2 * kLinearTileRows;
-
-template <int N>
-struct TileRows {
-  static constexpr int size = N;
-};
-
-// f(TileRows<rows>{}) for 1 <= rows <= MR: the row count as a compile-time constant.
-template <int MR, class F>
-inline void with_tile_rows(int64_t rows, const F& f) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return f(TileRows<MR>{});
-    with_tile_rows<MR - 1>(rows, f);
-  }
-}
-
-// tile(c0, width) for each column tile of `columns` (<= kPanelColumns).
-template <class F>
-inline void for_column_tiles(int64_t columns, const F& tile) {
-  for (int64_t c0 = 0; c0 < columns; c0 += kTileColumns) {
-    tile(c0, columns - c0 < kTileColumns ? columns - c0 : kTileColumns);
-  }
-}
 
 inline uint32_t load_pair_bits(const uint16_t* p) {
   uint32_t bits;
@@ -58,23 +36,6 @@ inline void stage_rows(StagedPair* staged, const uint16_t* x, int64_t x_stride, 
   }
 }
 
-// Adds the bias to the MR x NV accumulators and stores `columns` (<= kTileColumns) of each row as bf16.
-template <int MR>
-inline void store_tile(Vec16 (&acc)[MR][kLinearTileVectors], const uint16_t* bias, uint16_t* out, int64_t out_stride,
-                       int64_t columns) {
-  alignas(64) float tile[kTileColumns];
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < kLinearTileVectors; ++v) vstore(tile + kLanes * v, acc[m][v]);
-    uint16_t* row = out + m * out_stride;
-    int64_t c = 0;
-    for (; c + kLanes <= columns; c += kLanes) {
-      const Vec16 sum = vload(tile + c);
-      vstore(row + c, bias == nullptr ? sum : vadd(sum, vload(bias + c)));
-    }
-    for (; c < columns; ++c) store1(row + c, tile[c] + (bias == nullptr ? 0.0f : load1(bias[c])));
-  }
-}
-
 // out[MR, columns] from the staged rows and the panel's pair rows starting at `weights`
 // (the tile's first column).
 template <int MR>
@@ -87,7 +48,7 @@ inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t*
   for (int64_t k = 0; k < pairs; ++k) {
     accumulate_pair_row<MR, kLinearTileVectors>(acc, weights + k * 2 * kPanelColumns, staged + k * MR);
   }
-  store_tile<MR>(acc, bias, out, out_stride, columns);
+  store_tile(acc, bias, out, out_stride, columns);
 }
 
 // The column tiles of one panel, one tile of `tile` rows, inputs staged by stage_rows.
@@ -98,7 +59,7 @@ inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t i
   constexpr int MR = Tile::size;
   stage_rows<MR>(staged, x, x_stride, in_features);
   const int64_t pairs = (in_features + 1) / 2;
-  for_column_tiles(columns, [&](int64_t c0, int64_t width) {
+  for_column_tiles<kTileColumns>(columns, [&](int64_t c0, int64_t width) {
     linear_tile<MR>(staged, pairs, panel + 2 * c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride,
                     width);
   });
@@ -145,7 +106,7 @@ inline void wide_tile(const float* staged, int64_t inputs, const float* wide, co
       for (int v = 0; v < NV; ++v) acc[m][v] = vfma(w[v], input, acc[m][v]);
     }
   }
-  store_tile<MR>(acc, bias, out, out_stride, columns);
+  store_tile(acc, bias, out, out_stride, columns);
 }
 
 template <class Tile>
@@ -154,7 +115,7 @@ inline void wide_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_
                           float* staged) {
   constexpr int MR = Tile::size;
   stage_rows_fp32<MR>(staged, x, x_stride, in_features, inputs);
-  for_column_tiles(columns, [&](int64_t c0, int64_t width) {
+  for_column_tiles<kTileColumns>(columns, [&](int64_t c0, int64_t width) {
     wide_tile<MR>(staged, inputs, wide + c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride, width);
   });
 }
@@ -171,12 +132,10 @@ void linear_bf16_widened(const uint16_t* x, int64_t x_stride, int64_t rows, int6
     widen_panel(wide, panel, pairs);
     *widened_panel = panel;
   }
-  for (int64_t r = 0; r < rows; r += kLinearTileRows) {
-    with_tile_rows<kLinearTileRows>(rows - r < kLinearTileRows ? rows - r : kLinearTileRows, [&](auto tile) {
-      wide_row_tile(tile, x + r * x_stride, x_stride, in_features, wide, inputs, bias, out + r * out_stride,
-                    out_stride, columns, staged);
-    });
-  }
+  for_row_tiles<kLinearTileRows>(rows, [&](auto tile, int64_t r) {
+    wide_row_tile(tile, x + r * x_stride, x_stride, in_features, wide, inputs, bias, out + r * out_stride,
+                  out_stride, columns, staged);
+  });
 }
 #endif  // CONTBATCH_WIDENS_PANELS
 
@@ -188,10 +147,8 @@ void linear_bf16_panel(const uint16_t* x, int64_t x_stride, int64_t rows, int64_
   }
 #endif
   auto* staged = reinterpret_cast<StagedPair*>(static_cast<char*>(scratch) + kLinearScratchHeader);
-  for (int64_t r = 0; r < rows; r += kLinearTileRows) {
-    with_tile_rows<kLinearTileRows>(rows - r < kLinearTileRows ? rows - r : kLinearTileRows, [&](auto tile) {
-      direct_row_tile(tile, x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride, out_stride,
-                      columns, staged);
-    });
-  }
+  for_row_tiles<kLinearTileRows>(rows, [&](auto tile, int64_t r) {
+    direct_row_tile(tile, x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride, out_stride,
+                    columns, staged);
+  });
 }

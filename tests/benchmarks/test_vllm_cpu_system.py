@@ -22,7 +22,8 @@ def test_agreement_counts_identical_requests_and_tokens_before_the_first_differe
     other = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9]]
     agreement = greedy_agreement(reference, other)
     assert agreement == {"requests": 3, "requests_identical": pytest.approx(1 / 3),
-                         "tokens_before_divergence": pytest.approx((4 + 2 + 0) / 10)}  # fmt: skip
+                         "tokens_before_divergence": pytest.approx((4 + 2 + 0) / 10),
+                         "leading_share_mean": pytest.approx((4 / 4 + 2 / 4 + 0 / 2) / 3)}  # fmt: skip
 
 
 def test_agreement_refuses_different_request_counts():

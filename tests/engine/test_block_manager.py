@@ -35,9 +35,9 @@ def _request(seq_id: int, tokens: list[int], max_tokens: int = 16) -> _Seq:
     return _Seq(seq_id, list(tokens), max_tokens)
 
 
-def _allocate(manager: BlockManager, seq: _Seq, num_tokens: int, cached: list[int] = ()) -> bool:
+def _allocate(manager: BlockManager, seq: _Seq, num_tokens: int, cached: list[tuple[int, ...]] = ()) -> bool:
     final = seq.num_prompt_tokens + seq.max_tokens
-    return manager.allocate(seq.seq_id, seq.num_computed_tokens, num_tokens, cached, final) is not None
+    return manager.allocate(seq.seq_id, seq.num_computed_tokens, num_tokens, cached, final)
 
 
 def _compute(manager: BlockManager, seq: _Seq, num_tokens: int) -> None:
@@ -75,14 +75,14 @@ def test_fork_then_write_copies_the_shared_partial_block():
     manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
     parent_blocks = manager.block_ids(parent.seq_id)
     assert [manager.ref_counts[b] for b in parent_blocks] == [2, 2]
-    assert manager.block_table_update(child.seq_id, 6) == (0, parent_blocks)
+    assert manager.block_table_update(child.seq_id, 6) == ((0, tuple(parent_blocks)),)
 
     assert _allocate(manager, child, 1)
     (source, copy), = manager.take_pending_copies()
     child_blocks = manager.block_ids(child.seq_id)
     assert source == parent_blocks[1] and copy == child_blocks[1] and copy != source
     assert child_blocks[0] == parent_blocks[0], "the full block stays shared"
-    assert manager.block_table_update(child.seq_id, 7) == (1, [copy]), "the runner's table swaps in the copy"
+    assert manager.block_table_update(child.seq_id, 7) == ((1, (copy,)),), "the runner's table swaps in the copy"
     assert manager.ref_counts[source] == 1 and manager.ref_counts[copy] == 1
 
 
@@ -165,7 +165,7 @@ def test_lookahead_is_capped_and_leaves_the_floor_free(num_blocks, block_size, l
             if taken_ahead > 0:
                 assert manager.num_free_blocks >= manager.lookahead_floor
             assert free_before - manager.num_free_blocks == num_blocks_now - blocks_before
-            start, shown = manager.block_table_update(request.seq_id, request.num_tokens)
+            ((start, shown),) = manager.block_table_update(request.seq_id, request.num_tokens)
             assert start + len(shown) == needed, "the runner sees exactly the blocks of its tokens"
 
     released = manager.release_lookahead(_counts(requests))

@@ -1,11 +1,14 @@
 """Scheduler + block manager under random workloads, driven by a fake model runner.
 
-The fake runner plays the KV cache: it writes (token, position) into every slot the
-step assigns and checks that each scheduled sequence's block table maps all of its
-context positions to its own tokens. So any bookkeeping error (a leaked, shared,
-evicted or mis-hashed block) shows up as a sequence attending to wrong K/V.
+The fake runner plays the KV cache: it writes (group, token, position) into every slot
+the step assigns, in each KV-cache group's table, and checks that each scheduled
+sequence's block tables map every context position its queries read (in a group with a
+sliding window, those within the first query's window) to its own tokens. So any
+bookkeeping error (a leaked, shared, evicted, mis-hashed or too early freed block) shows
+up as a sequence attending to wrong K/V.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
@@ -27,15 +30,16 @@ class _FakeSeq:
     request_id: int
     sample_index: int
     token_ids: list[int]
-    block_table: list[int]
+    block_tables: list[list[int]]  # per group
 
 
 class FakeRunner:
     """Keeps its own sequences from the scheduler's plain output, as the model runner does."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, group_windows: tuple[int, ...] = (-1,)) -> None:
         self.block_size = block_size
-        self.slots: dict[int, tuple[int, int]] = {}
+        self.group_windows = group_windows
+        self.slots: dict[int, tuple[int, int, int]] = {}  # one pool: (group, token, position) per slot
         self.seqs: dict[int, _FakeSeq] = {}
 
     def execute(self, step: SchedulerOutput) -> dict[int, int]:
@@ -43,7 +47,8 @@ class FakeRunner:
             del self.seqs[seq_id]
         for new in step.new_seqs:
             assert new.seq_id not in self.seqs
-            self.seqs[new.seq_id] = _FakeSeq(new.request_id, new.sample_index, list(new.token_ids), [])
+            tables = [[] for _ in self.group_windows]
+            self.seqs[new.seq_id] = _FakeSeq(new.request_id, new.sample_index, list(new.token_ids), tables)
         for source, destination in step.blocks_to_copy:
             for offset in range(self.block_size):
                 copied = self.slots.get(source * self.block_size + offset)
@@ -52,23 +57,25 @@ class FakeRunner:
         sampled = {}
         for item in step.scheduled:
             seq = self.seqs[item.seq_id]
-            seq.block_table[item.table_start :] = item.new_block_ids
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            assert len(seq.block_table) == -(-end // self.block_size), "not exactly the blocks of the step's tokens"
             assert item.samples == (end == len(seq.token_ids))
-            for position in range(start, end):
-                self.slots[self._slot(seq, position)] = (seq.token_ids[position], position)
-            for position in range(end):
-                assert self.slots.get(self._slot(seq, position)) == (seq.token_ids[position], position), (
-                    f"request {seq.request_id} would attend to wrong K/V at position {position}"
-                )
+            for group, (table, (table_start, blocks)) in enumerate(zip(seq.block_tables, item.table_updates)):
+                table[table_start:] = blocks
+                assert len(table) == -(-end // self.block_size), "not exactly the blocks of the step's tokens"
+                for position in range(start, end):
+                    self.slots[self._slot(table, position)] = (group, seq.token_ids[position], position)
+                window = self.group_windows[group]
+                for position in range(0 if window <= 0 else max(0, start - window + 1), end):
+                    assert self.slots.get(self._slot(table, position)) == (group, seq.token_ids[position], position), (
+                        f"request {seq.request_id} would attend to wrong K/V at position {position} in group {group}"
+                    )
             if item.samples:
                 sampled[item.seq_id] = _next_token(seq)
                 seq.token_ids.append(sampled[item.seq_id])
         return sampled
 
-    def _slot(self, seq: _FakeSeq, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    def _slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
 
 def _next_token(seq: _FakeSeq) -> int:
@@ -113,7 +120,9 @@ def workloads(draw):
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = draw(st.integers(blocks_per_seq, blocks_per_seq * 4))
     count = draw(st.integers(1, 24))
+    window = draw(st.integers(1, 24))
     return dict(
+        group_windows=draw(st.sampled_from([(-1,), (window,), (window, -1), (-1, window, window)])),
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
@@ -131,9 +140,12 @@ def workloads(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
-    manager = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"], w["lookahead_tokens"])
+    groups = w["group_windows"]
+    # Pool blocks per group: one max_model_len sequence must fit in every group (as KVCacheSpec sizes it).
+    manager = BlockManager(w["num_blocks"] * len(groups), w["block_size"], w["prefix_caching"], w["lookahead_tokens"],
+                           group_windows=groups)
     scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
-    runner = FakeRunner(w["block_size"])
+    runner = FakeRunner(w["block_size"], groups)
     for index, (prompt, max_tokens, n) in enumerate(zip(w["prompts"], w["max_tokens"], w["n"])):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=w["ignore_eos"], n=n)
         _add(scheduler, index, prompt, params)
@@ -149,7 +161,7 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
         assert len(step.scheduled) <= w["max_num_seqs"]
         assert len({s.seq_id for s in step.scheduled}) == len(step.scheduled)
         finished.extend(ended)
-        _check_block_invariants(manager, scheduler.running)
+        _check_block_invariants(manager, [r.seq_id for r in scheduler.running])
     assert not scheduler.has_unfinished()
 
     expected = sorted((i, s) for i, n in enumerate(w["n"]) for s in range(n))
@@ -173,15 +185,23 @@ def _check_stopping(request: Request, finish: Finish, max_model_len: int) -> Non
         assert request.params.ignore_eos or EOS not in outputs
 
 
-def _check_block_invariants(manager: BlockManager, running: list[Request]) -> None:
+def _check_block_invariants(manager: BlockManager, seq_ids: Iterable[int]) -> None:
+    """Reference counts are the holders of each block (in one group only), the freed and
+    untouched blocks are exactly the others, and the prefix cache's maps agree."""
     holders = [0] * manager.num_blocks
-    for request in running:
-        for block in manager.block_ids(request.seq_id):
-            holders[block] += 1
-    assert holders == manager.ref_counts, "reference counts differ from the blocks requests hold"
-    assert set(manager.free_block_ids()) == {b for b, count in enumerate(manager.ref_counts) if count == 0}
-    for block_hash, block in manager.hash_to_block.items():
-        assert manager.block_hash[block] == block_hash
+    owner: dict[int, int] = {}
+    for seq_id in seq_ids:
+        for group in range(manager.num_groups):
+            for block in manager.block_ids(seq_id, group):
+                holders[block] += 1
+                assert owner.setdefault(block, group) == group, f"block {block} is in two groups"
+    assert holders == manager.ref_counts, "reference counts differ from the blocks sequences hold"
+    free = manager.free_block_ids()
+    assert len(set(free)) == len(free) and set(free) == {b for b, count in enumerate(holders) if count == 0}
+    assert manager.num_used_blocks == sum(count > 0 for count in holders)
+    for group, cached in enumerate(manager.hash_to_block):
+        for block_hash, block in cached.items():
+            assert manager.block_hash[block] == block_hash and manager.block_group[block] == group
 
 
 def test_prefix_cache_hit_is_capped_below_prompt_length():
@@ -228,7 +248,7 @@ def _run_to_completion(pool_blocks: int, lookahead_tokens: int, count: int = 6) 
         step, _ = _step(scheduler, runner)
         admitted = len(step.scheduled) if admitted is None else admitted
         preemptions += step.num_preempted
-        _check_block_invariants(manager, scheduler.running)
+        _check_block_invariants(manager, [r.seq_id for r in scheduler.running])
     return preemptions, admitted
 
 
@@ -258,7 +278,7 @@ def test_a_running_request_grows_into_blocks_another_took_ahead():
             assert len(manager.block_ids(first.seq_id)) == 8, "the first request took blocks ahead"
             second = _add(scheduler, 1, [4] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         preemptions += _step(scheduler, runner)[0].num_preempted
-        _check_block_invariants(manager, scheduler.running)
+        _check_block_invariants(manager, [r.seq_id for r in scheduler.running])
     assert not scheduler.has_unfinished()
     assert preemptions == 0
     assert len(first.output_token_ids) == 28 and len(second.output_token_ids) == 8

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from contbatch import SamplingParams
+from contbatch import LLM, SamplingParams
 from contbatch.cli import build_parser, main
 from tests.jobs.helpers import read_jsonl, write_jsonl
 
@@ -106,3 +106,16 @@ def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypa
     files = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
     assert main(["generate", *files, "--dtype", "float32", "--max-tokens", "2"]) == 0
     assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["model_path"] == str(chat_model_dir.resolve())
+
+
+def test_int8_job_gives_llm_int8_results_and_its_settings_guard_a_resume(tmp_path, chat_model_dir, capsys):
+    assert _cli(tmp_path, chat_model_dir, "--quantization", "int8") == 0
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    assert meta["settings"]["engine.quantization"] == "int8, LM head int8, embeddings dense"
+    llm = LLM(chat_model_dir, dtype="float32", quantization="int8")
+    expected = llm.generate([f"prompt {i}" for i in range(3)], SamplingParams(temperature=0, max_tokens=3),
+                            use_tqdm=False)  # fmt: skip
+    texts = {r["id"]: r["outputs"][0]["text"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert texts == {i: out.outputs[0].text for i, out in enumerate(expected)}
+    assert _cli(tmp_path, chat_model_dir) == 1, "unquantized results must not be mixed into an int8 job"
+    assert "made with other settings" in capsys.readouterr().err

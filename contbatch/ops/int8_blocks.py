@@ -1,0 +1,124 @@
+"""8-bit block quantization (llama.cpp's Q8_0 shape) and the int8 linear kernel's layout.
+
+A row of a weight or an activation is cut into blocks of ``BLOCK`` = 32 inputs; each block
+stores 32 signed 8-bit values and one scale, and stands for ``q * scale``. 32 is Q8_0's
+block: a GGUF file's Q8_0 tensors (int8 values, one fp16 scale a block) are this format as
+they are, so they go into the kernel without a round trip through a dense dtype. Weights
+keep their scales in fp16 as Q8_0 does; activations (quantized per token on every call)
+keep theirs in fp32.
+
+The kernel's weight layout (``csrc/cpu/int8_linear_kernel.h``) is panels of 64 output
+columns, like the bf16 kernel's (``panel_layout.py``), in quads of 4 inputs:
+``values[panel, block, quad, column, :]`` holds ``q[64 * panel + column, 32 * block + 4 * quad : + 4]``:
+one ``[quad]`` row (64 columns x 4 inputs, 256 bytes) is what AVX-512 VNNI's ``vpdpbusd``
+multiplies against one broadcast quad of inputs. Beside it, per panel, block and column:
+the fp16 scale and the sum of the block's 32 values (int16), which the VNNI kernel needs
+because it feeds activations as unsigned bytes (q + 128) and subtracts 128 * sum after.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+QUAD = 4
+PANEL_COLUMNS = 64
+QMAX = 127  # values lie in [-127, 127]: symmetric, so -q never overflows
+
+
+@dataclass(frozen=True)
+class Int8Blocks:
+    """A matrix [rows, in_features] in 8-bit blocks: ``values`` int8 [rows, padded_in]
+    (``padded_in`` = in_features rounded up to a whole block, zero-filled) and ``scales``
+    [rows, padded_in / 32] (fp16 for weights, fp32 for activations)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, padded = self.values.shape
+        blocks = self.values.view(rows, padded // BLOCK, BLOCK).float() * self.scales.float().unsqueeze(-1)
+        return blocks.view(rows, padded)[:, : self.in_features].to(dtype)
+
+
+def padded_inputs(in_features: int) -> int:
+    return -(-in_features // BLOCK) * BLOCK
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in_features] as fp32 [rows, blocks, 32], zero-padded."""
+    rows, in_features = x.shape
+    padded = F.pad(x.float(), (0, padded_inputs(in_features) - in_features))
+    return padded.view(rows, -1, BLOCK)
+
+
+def quantize_weight(weight: torch.Tensor) -> Int8Blocks:
+    """Q8_0 quantization of ``weight`` [out_features, in_features]: per block, scale =
+    max|w| / 127 rounded to fp16, values = round-half-even(w / scale)."""
+    blocks = _blocks(weight.detach())
+    scales = (blocks.abs().amax(dim=-1) / QMAX).to(torch.float16)
+    inverse = torch.where(scales > 0, torch.ones_like(scales, dtype=torch.float32) / scales.float(), torch.zeros(()))
+    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return Int8Blocks(values.view(weight.shape[0], -1), scales, weight.shape[1])
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Blocks:
+    """Per-token, per-block quantization of ``x`` [rows, in_features] as the kernel does it
+    (``int8_quantize_rows``): scale = max|x| / 127 in fp32, values = round-half-even(x * (127 / max|x|))."""
+    blocks = _blocks(x)
+    amax = blocks.abs().amax(dim=-1)
+    # A tensor over a tensor: torch computes a scalar over a tensor as a reciprocal times the
+    # scalar, one rounding more than the kernel's division.
+    inverse = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros((), dtype=torch.float32))
+    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return Int8Blocks(values.view(x.shape[0], -1), amax / torch.full_like(amax, QMAX), x.shape[1])
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """A quantized weight in the int8 kernel's layout (module docstring)."""
+
+    values: torch.Tensor  # int8 [panels, blocks, 8, 64, 4]
+    scales: torch.Tensor  # fp16 [panels, blocks, 64]
+    sums: torch.Tensor  # int16 [panels, blocks, 64]
+    out_features: int
+    in_features: int
+
+
+def pack_int8(weight: Int8Blocks) -> PackedInt8:
+    out_features, padded = weight.values.shape
+    panels, blocks = -(-out_features // PANEL_COLUMNS), padded // BLOCK
+    extra_rows = panels * PANEL_COLUMNS - out_features
+    values = F.pad(weight.values, (0, 0, 0, extra_rows))
+    scales = F.pad(weight.scales.to(torch.float16), (0, 0, 0, extra_rows))
+    by_block = values.view(panels, PANEL_COLUMNS, blocks, BLOCK // QUAD, QUAD)
+    sums = by_block.sum(dim=(-1, -2), dtype=torch.int32).to(torch.int16)  # |sum| <= 32 * 127
+    return PackedInt8(
+        values=by_block.permute(0, 2, 3, 1, 4).contiguous(),
+        scales=scales.view(panels, PANEL_COLUMNS, blocks).transpose(1, 2).contiguous(),
+        sums=sums.transpose(1, 2).contiguous(),
+        out_features=out_features,
+        in_features=weight.in_features,
+    )
+
+
+def unpack_int8(packed: PackedInt8) -> Int8Blocks:
+    """Inverse of :func:`pack_int8`."""
+    panels, blocks = packed.values.shape[:2]
+    values = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * BLOCK)
+    scales = packed.scales.transpose(1, 2).reshape(panels * PANEL_COLUMNS, blocks)
+    return Int8Blocks(values[: packed.out_features], scales[: packed.out_features], packed.in_features)
+
+
+def int8_linear_reference(x: Int8Blocks, weight: Int8Blocks, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T from the 8-bit blocks, in float64: each block's integer dot product is
+    exact, times its activation and weight scales, summed over blocks (+ bias)."""
+    xb = x.values.view(x.values.shape[0], -1, BLOCK).double()
+    wb = weight.values.view(weight.values.shape[0], -1, BLOCK).double()
+    dots = torch.einsum("mbk,nbk->mnb", xb, wb)
+    result = (dots * x.scales.double().unsqueeze(1) * weight.scales.double().unsqueeze(0)).sum(-1)
+    if bias is not None:
+        result += bias.double()
+    return result

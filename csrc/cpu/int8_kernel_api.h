@@ -1,0 +1,59 @@
+// Function table of the int8 linear kernel (int8_linear_kernel.h), one per int8 tier.
+//
+// Layouts (contbatch/ops/int8_blocks.py): a row is cut into blocks of 32 inputs, each 32
+// signed 8-bit values in [-127, 127] and one scale. Weights are panels of 64 output columns:
+// values[panel][block][quad][column][4] holds the column's inputs 32 * block + 4 * quad + 0..3,
+// and per panel, block and column an fp16 scale and the int16 sum of the block's values.
+// Activations are rows of values [rows][blocks * 32] with fp32 scales [rows][blocks].
+//
+// The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
+// VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs, AVX2's
+// vpmaddwd on AVX2 and on AVX-512 CPUs without VNNI (Skylake-SP), portable C++ otherwise.
+#pragma once
+
+#include <cstdint>
+
+namespace contbatch::cpu {
+
+constexpr int64_t kInt8Block = 32;
+constexpr int64_t kInt8Quads = kInt8Block / 4;
+constexpr int64_t kInt8PanelColumns = 64;
+
+// Scratch one panel call needs: a 64-byte header (which panel the widened copy is of; the
+// driver zeroes it before a thread's first task of each call), a row tile's staged input
+// quads (at most 8 rows x 8 bytes a quad) and their scales, and on tiers that widen weights
+// to int16 (AVX2) the panel widened.
+constexpr int64_t kMaxInt8TileRows = 8;
+constexpr int64_t kInt8ScratchHeader = 64;
+inline int64_t int8_scratch_bytes(int64_t blocks) {
+  return kInt8ScratchHeader + blocks * kMaxInt8TileRows * (kInt8Quads * 8 + 4) +
+         blocks * kInt8Block * kInt8PanelColumns * 2;
+}
+
+template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
+struct Int8TypedKernels {
+  // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
+  // be nullptr): the int32 dot product of each block, times the row's and column's scales,
+  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
+  // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
+  // zeroed by the driver before the thread's first task of the call.
+  void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
+                const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+                int64_t out_stride, int64_t columns, void* scratch);
+  // One row of in_features inputs into blocks: scale = max|x| / 127, q = round-half-even(
+  // x * (127 / max|x|)), zero past in_features up to whole blocks.
+  void (*quantize_row)(const T* x, int64_t in_features, int8_t* values, float* scales);
+};
+
+struct Int8Kernels {
+  const char* name;
+  const Int8TypedKernels<float>* fp32;
+  const Int8TypedKernels<uint16_t>* bf16;
+};
+
+// nullptr where this build could not compile the tier (as kernel_set.h's getters).
+const Int8Kernels* int8_generic_kernels();
+const Int8Kernels* int8_avx2_kernels();
+const Int8Kernels* int8_avx512_vnni_kernels();
+
+}  // namespace contbatch::cpu

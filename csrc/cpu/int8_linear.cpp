@@ -1,0 +1,166 @@
+// CPU driver of the int8 ops (layouts: int8_kernel_api.h): activation quantization, threads
+// over rows; the int8 linear, threads over (panel, block of rows) tasks. Each runs the int8
+// kernels that go with the active ISA tier (cpu_isa.h).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "../op_checks.h"
+#include "../ops.h"
+#include "cpu_isa.h"
+#include "int8_kernel_api.h"
+
+namespace contbatch {
+namespace {
+
+struct alignas(64) CacheLine {
+  char bytes[64];
+};
+
+// Rows per task, as bf16_linear (linear.cpp): a panel stays in L2 while a thread runs its row blocks.
+constexpr int64_t kRowsPerTask = 48;
+
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// VNNI under either AVX-512 tier where the CPU has it; AVX2's kernel under AVX2 and under
+// AVX-512 without VNNI (every AVX-512 CPU has AVX2); portable C++ under the generic tier.
+const cpu::Int8Kernels& active_int8_kernels() {
+  static const bool has_vnni = cpu_has_avx512_vnni();
+  const std::string_view isa = cpu::active_kernels().isa;
+  if (isa.substr(0, 6) == "avx512" && has_vnni && cpu::int8_avx512_vnni_kernels() != nullptr) {
+    return *cpu::int8_avx512_vnni_kernels();
+  }
+  if (isa != "generic" && cpu::int8_avx2_kernels() != nullptr) return *cpu::int8_avx2_kernels();
+  return *cpu::int8_generic_kernels();
+}
+
+template <class T>
+const cpu::Int8TypedKernels<T>& typed(const cpu::Int8Kernels& kernels) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *kernels.fp32;
+  } else {
+    return *kernels.bf16;
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name,
+                   " must be torch.float32 or torch.bfloat16, got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
+                    " must be 2-D [rows, features] with contiguous rows, got shape ", t.sizes(), " strides ",
+                    t.strides());
+}
+
+void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
+                    "int8_linear: ", name, " must be a contiguous CPU ", dtype_name(dtype), " tensor of shape ",
+                    shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
+}
+
+template <class T>
+void quantize_rows(const at::Tensor& input, at::Tensor& values, at::Tensor& scales) {
+  const auto& kernel = typed<T>(active_int8_kernels());
+  const auto* x = static_cast<const T*>(input.data_ptr());
+  auto* q = values.data_ptr<int8_t>();
+  auto* s = scales.data_ptr<float>();
+  const int64_t in_features = input.size(1), padded = values.size(1), blocks = scales.size(1);
+  at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
+    }
+  });
+}
+
+template <class T>
+void run_panels(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales, const at::Tensor& values,
+                const at::Tensor& scales, const at::Tensor& sums, const std::optional<at::Tensor>& bias) {
+  const auto& kernel = typed<T>(active_int8_kernels());
+  const int64_t rows = out.size(0), out_features = out.size(1);
+  const int64_t panels = values.size(0), blocks = values.size(1);
+  const int64_t panel_values = blocks * cpu::kInt8Block * cpu::kInt8PanelColumns;
+  const int64_t panel_scales = blocks * cpu::kInt8PanelColumns;
+  const auto* x = x_values.data_ptr<int8_t>();
+  const auto* xs = x_scales.data_ptr<float>();
+  const auto* w = values.data_ptr<int8_t>();
+  const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
+  const auto* wsum = sums.data_ptr<int16_t>();
+  const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
+  auto* o = static_cast<T*>(out.data_ptr());
+  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t scratch_lines = (cpu::int8_scratch_bytes(blocks) + 63) / 64;
+  // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<CacheLine> scratch;  // the worker's staged input quads and widened panel
+    if (static_cast<int64_t>(scratch.size()) < scratch_lines) scratch.resize(scratch_lines);
+    scratch[0] = CacheLine{};  // header: no panel widened yet in this call
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
+      const int64_t column0 = panel * cpu::kInt8PanelColumns;
+      kernel.panel(x + row0 * x_values.size(1), x_values.size(1), xs + row0 * blocks,
+                   std::min(kRowsPerTask, rows - row0), blocks, w + panel * panel_values,
+                   ws + panel * panel_scales, wsum + panel * panel_scales, b == nullptr ? nullptr : b + column0,
+                   o + row0 * out.stride(0) + column0, out.stride(0),
+                   std::min(cpu::kInt8PanelColumns, out_features - column0), scratch.data());
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input) {
+  check_rows(input, "int8_quantize_rows", "input");
+  const int64_t rows = input.size(0);
+  const int64_t blocks = (input.size(1) + cpu::kInt8Block - 1) / cpu::kInt8Block;
+  at::Tensor values = at::empty({rows, blocks * cpu::kInt8Block}, input.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
+  if (input.scalar_type() == at::kFloat) {
+    quantize_rows<float>(input, values, scales);
+  } else {
+    quantize_rows<uint16_t>(input, values, scales);
+  }
+  return {values, scales};
+}
+
+void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
+                     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
+                     const std::optional<at::Tensor>& bias) {
+  check_rows(out, "int8_linear", "out");
+  const int64_t rows = out.size(0), out_features = out.size(1);
+  TORCH_CHECK_VALUE(values.dim() == 5, "int8_linear: values must be [panels, blocks, 8, 64, 4], got shape ",
+                    values.sizes());
+  const int64_t panels = values.size(0), blocks = values.size(1);
+  TORCH_CHECK_VALUE(panels == (out_features + cpu::kInt8PanelColumns - 1) / cpu::kInt8PanelColumns,
+                    "int8_linear: values has ", panels, " panels for ", out_features, " outputs");
+  check_exact(values, at::kChar, {panels, blocks, cpu::kInt8Quads, cpu::kInt8PanelColumns, 4}, "values");
+  check_exact(scales, at::kHalf, {panels, blocks, cpu::kInt8PanelColumns}, "scales");
+  check_exact(sums, at::kShort, {panels, blocks, cpu::kInt8PanelColumns}, "sums");
+  check_exact(x_values, at::kChar, {rows, blocks * cpu::kInt8Block}, "x_values");
+  check_exact(x_scales, at::kFloat, {rows, blocks}, "x_scales");
+  if (bias.has_value()) check_exact(*bias, out.scalar_type(), {out_features}, "bias");
+  if (rows == 0 || out_features == 0) return;
+  if (out.scalar_type() == at::kFloat) {
+    run_panels<float>(out, x_values, x_scales, values, scales, sums, bias);
+  } else {
+    run_panels<uint16_t>(out, x_values, x_scales, values, scales, sums, bias);
+  }
+}
+
+std::string int8_kernel_isa() { return active_int8_kernels().name; }
+
+}  // namespace contbatch

@@ -1,0 +1,144 @@
+// The int8 linear kernel over block-quantized panels (layouts: int8_kernel_api.h), written
+// once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
+//   StagedQuad stage_quad(const int8_t*)  one row's 4 inputs in the form the tier broadcasts
+//   I8Input i8_broadcast(StagedQuad)      that quad in every lane
+//   I8Acc i8_start(const int16_t* sums)   16 columns' int32 accumulators at a block's start
+//   I8Weights i8_load(const int8_t*)      16 columns x 4 inputs of a quad row (and, on tiers
+//                                         that define CONTBATCH_I8_WIDENS, from int16 too)
+//   i8_dot(I8Acc&, I8Weights, I8Input)    acc += the quad's dot product, per column
+//   Vec16 i8_finish(I8Acc)                the 16 columns' block sums as fp32
+//   Vec16 vload_f16(const uint16_t*)      16 fp16 scales
+//   i8_store_rounded(int8_t*, Vec16)      16 values rounded half to even into int8
+// Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
+//
+// A row tile of kI8TileRows rows stages its input quads, then runs over the panel in column
+// tiles of kI8TileVectors x 16: per block, each quad row of weights loaded once feeds every
+// row of the tile, the block's int32 sums become fp32 once (times the two scales), and the
+// fp32 sums over blocks are rounded to the output type once.
+//
+// Tiers whose int8 products need int16 operands (CONTBATCH_I8_WIDENS: AVX2's vpmaddwd) widen
+// the whole panel to int16 once per call when it has kI8WidenFromRows rows or more, so the
+// inner loop is plain loads, multiply-adds and adds; fewer rows read the int8 panel, widening
+// as they go, since those calls are bound by reading the weights.
+
+static_assert(kI8TileRows <= kMaxInt8TileRows && sizeof(StagedQuad) <= 8, "int8 scratch too small");
+constexpr int kI8TileColumns = kI8TileVectors * kLanes;
+static_assert(kInt8PanelColumns % kI8TileColumns == 0, "column tiles must divide a panel");
+constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
+
+// staged[(block * 8 + quad) * MR + m] = row m's quad; x_scale[block * MR + m] its block scale.
+template <int MR>
+inline void stage_quads(StagedQuad* staged, float* x_scale, const int8_t* x, int64_t x_stride,
+                        const float* x_scales, int64_t blocks) {
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* row = x + m * x_stride;
+    for (int64_t q = 0; q < blocks * kInt8Quads; ++q) staged[q * MR + m] = stage_quad(row + 4 * q);
+    for (int64_t b = 0; b < blocks; ++b) x_scale[b * MR + m] = x_scales[m * blocks + b];
+  }
+}
+
+// out[MR, columns] for the column tile whose quad rows start at `values` (int8, or widened
+// to int16), its scales and sums at `scales`, `sums`.
+template <int MR, class T, class W>
+inline void int8_tile(const StagedQuad* staged, const float* x_scale, int64_t blocks, const W* values,
+                      const uint16_t* scales, const int16_t* sums, const T* bias, T* out, int64_t out_stride,
+                      int64_t columns) {
+  constexpr int NV = kI8TileVectors;
+  Vec16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m) {
+    for (Vec16& a : acc[m]) a = vzero();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    I8Acc block_acc[MR][NV];
+    for (int v = 0; v < NV; ++v) {
+      const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * v);
+      for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
+    }
+    const StagedQuad* block_quads = staged + b * kInt8Quads * MR;
+    // Not unrolled: GCC would reassociate the unrolled integer sums and spill the products.
+#pragma GCC unroll 1
+    for (int q = 0; q < kInt8Quads; ++q) {
+      const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes;
+      I8Weights w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
+      for (int m = 0; m < MR; ++m) {
+        const I8Input input = i8_broadcast(block_quads[q * MR + m]);
+        for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * v);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scale[b * MR + m])), acc[m][v]);
+      }
+    }
+  }
+  store_tile(acc, bias, out, out_stride, columns);
+}
+
+template <class T, class W>
+void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
+                    const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+                    int64_t out_stride, int64_t columns, StagedQuad* staged, float* x_scale) {
+  for_row_tiles<kI8TileRows>(rows, [&](auto tile, int64_t r) {
+    constexpr int MR = decltype(tile)::size;
+    stage_quads<MR>(staged, x_scale, x + r * x_stride, x_stride, x_scales + r * blocks, blocks);
+    for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
+      int8_tile<MR>(staged, x_scale, blocks, values + 4 * c0, scales + c0, sums + c0,
+                    bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
+    });
+  });
+}
+
+// Scratch: the header (which panel `wide` holds), the staged quads, their scales, then the
+// panel widened to int16, kept for the thread's next task on the same panel.
+template <class T>
+void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
+                const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+                int64_t out_stride, int64_t columns, void* scratch) {
+  char* bytes = static_cast<char*>(scratch);
+  auto* staged = reinterpret_cast<StagedQuad*>(bytes + kInt8ScratchHeader);
+  auto* x_scale = reinterpret_cast<float*>(bytes + kInt8ScratchHeader + blocks * kInt8Quads * kMaxInt8TileRows * 8);
+#ifdef CONTBATCH_I8_WIDENS
+  if (rows >= kI8WidenFromRows) {
+    auto** widened_panel = reinterpret_cast<const int8_t**>(bytes);
+    auto* wide = reinterpret_cast<int16_t*>(x_scale + blocks * kMaxInt8TileRows);
+    if (*widened_panel != values) {
+      for (int64_t i = 0; i < blocks * kInt8Block * kInt8PanelColumns; ++i) wide[i] = values[i];
+      *widened_panel = values;
+    }
+    return int8_row_tiles(x, x_stride, x_scales, rows, blocks, static_cast<const int16_t*>(wide), scales, sums,
+                          bias, out, out_stride, columns, staged, x_scale);
+  }
+#endif
+  int8_row_tiles(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride, columns, staged,
+                 x_scale);
+}
+
+// 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).
+template <class T>
+inline Vec16 load_upto16(const T* x, int64_t n) {
+  if (n >= kLanes) return vload(x);
+  alignas(64) float tail[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) tail[i] = load1(x[i]);
+  return vload(tail);
+}
+
+template <class T>
+void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* scales) {
+  const int64_t blocks = (in_features + kInt8Block - 1) / kInt8Block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kInt8Block, left = in_features - first;
+    const Vec16 lo = load_upto16(x + first, left);
+    const Vec16 hi = left > kLanes ? load_upto16(x + first + kLanes, left - kLanes) : vzero();
+    const float amax = vreduce_max(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
+    const Vec16 inverse = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+    scales[b] = amax / 127.0f;
+    i8_store_rounded(values + first, vmul(lo, inverse));
+    i8_store_rounded(values + first + kLanes, vmul(hi, inverse));
+  }
+}
+
+constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>};
+constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>};
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, &kInt8Fp32, &kInt8Bf16};

@@ -1,0 +1,50 @@
+// Register-tile helpers shared by the linear kernels (linear_kernel.h, int8_linear_kernel.h),
+// written against the tier's Vec16 functions and layers_kernel.h's load1 / store1.
+
+template <int N>
+struct TileRows {
+  static constexpr int size = N;
+};
+
+// f(TileRows<rows>{}) for 1 <= rows <= MR: the row count as a compile-time constant.
+template <int MR, class F>
+inline void with_tile_rows(int64_t rows, const F& f) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return f(TileRows<MR>{});
+    with_tile_rows<MR - 1>(rows, f);
+  }
+}
+
+// f(tile) for each row tile of `rows`, tiles of MR rows (a shorter last one), passing
+// TileRows<n> and the tile's first row.
+template <int MR, class F>
+inline void for_row_tiles(int64_t rows, const F& f) {
+  for (int64_t r = 0; r < rows; r += MR) {
+    with_tile_rows<MR>(rows - r < MR ? rows - r : MR, [&](auto tile) { f(tile, r); });
+  }
+}
+
+// tile(c0, width) for each column tile of WIDTH columns over `columns` (<= kPanelColumns).
+template <int WIDTH, class F>
+inline void for_column_tiles(int64_t columns, const F& tile) {
+  for (int64_t c0 = 0; c0 < columns; c0 += WIDTH) {
+    tile(c0, columns - c0 < WIDTH ? columns - c0 : WIDTH);
+  }
+}
+
+// Adds the bias to the MR x NV accumulators and stores `columns` (<= NV * kLanes) of each
+// row, rounded to T (fp32, or bf16 bits) once.
+template <int MR, int NV, class T>
+inline void store_tile(Vec16 (&acc)[MR][NV], const T* bias, T* out, int64_t out_stride, int64_t columns) {
+  alignas(64) float tile[NV * kLanes];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NV; ++v) vstore(tile + kLanes * v, acc[m][v]);
+    T* row = out + m * out_stride;
+    int64_t c = 0;
+    for (; c + kLanes <= columns; c += kLanes) {
+      const Vec16 sum = vload(tile + c);
+      vstore(row + c, bias == nullptr ? sum : vadd(sum, vload(bias + c)));
+    }
+    for (; c < columns; ++c) store1(row + c, tile[c] + (bias == nullptr ? 0.0f : load1(bias[c])));
+  }
+}

@@ -1,0 +1,67 @@
+// The int8 section (int8_linear_kernel.h) for AVX2: weights widened to int16 and multiplied
+// by vpmaddwd, which adds pairs of int16 products into int32 lanes, 16 products an
+// instruction, exactly (no vpmaddubsw saturation). A 256-bit register holds 4 columns x 4
+// inputs; its int32 lanes hold each column's two pair sums, added at the block's end.
+// Included after simd_avx2.h inside an int8 TU's target region.
+#pragma once
+
+using StagedQuad = uint64_t;  // the row's 4 inputs as int16
+using I8Input = __m256i;
+struct I8Acc {
+  __m256i lanes[4];  // columns 4j .. 4j + 3, two int32 pair sums each
+};
+struct I8Weights {
+  __m256i columns[4];  // columns 4j .. 4j + 3 x 4 inputs, int16
+};
+
+// 2 rows x 16 columns: 8 accumulator registers, the widened weights and the inputs in the
+// 16 ymm registers (measured best of 1-4 rows, with the AVX2 tier forced on an Intel Xeon).
+constexpr int kI8TileRows = 2;
+constexpr int kI8TileVectors = 1;
+
+inline StagedQuad stage_quad(const int8_t* x) {
+  StagedQuad quad = 0;
+  for (int i = 0; i < 4; ++i) quad |= StagedQuad(uint16_t(int16_t(x[i]))) << (16 * i);
+  return quad;
+}
+inline I8Input i8_broadcast(StagedQuad x) { return _mm256_set1_epi64x(int64_t(x)); }
+inline I8Acc i8_start(const int16_t*) {
+  const __m256i zero = _mm256_setzero_si256();
+  return {{zero, zero, zero, zero}};
+}
+inline I8Weights i8_load(const int8_t* w) {
+  I8Weights widened;
+  for (int j = 0; j < 4; ++j) {
+    widened.columns[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j)));
+  }
+  return widened;
+}
+// From a panel widened once per call (int8_linear_kernel.h) when a call has 32 rows or more:
+// 13% faster at 256 rows, slower at 8 (measured as above).
+#define CONTBATCH_I8_WIDENS 1
+constexpr int64_t kI8WidenFromRows = 32;
+inline I8Weights i8_load(const int16_t* w) {
+  I8Weights loaded;
+  for (int j = 0; j < 4; ++j) loaded.columns[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+  return loaded;
+}
+inline void i8_dot(I8Acc& acc, const I8Weights& w, I8Input x) {
+  for (int j = 0; j < 4; ++j) acc.lanes[j] = _mm256_add_epi32(acc.lanes[j], _mm256_madd_epi16(w.columns[j], x));
+}
+// hadd of columns 0-3 and 4-7 gives [c0 c1 c4 c5 | c2 c3 c6 c7]; the 64-bit permute puts them in order.
+inline __m256 column_sums8(__m256i first, __m256i second) {
+  return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8));
+}
+inline Vec16 i8_finish(const I8Acc& acc) {
+  return {column_sums8(acc.lanes[0], acc.lanes[1]), column_sums8(acc.lanes[2], acc.lanes[3])};
+}
+inline Vec16 vload_f16(const uint16_t* h) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)))};
+}
+inline void i8_store_rounded(int8_t* q, Vec16 v) {  // |v| <= 127 by construction
+  const __m256i words = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+  const __m256i ordered = _mm256_permute4x64_epi64(words, 0xD8);  // [lo 0-7 | hi 0-7]
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(ordered), _mm256_extracti128_si256(ordered, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), bytes);
+}
