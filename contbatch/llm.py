@@ -45,8 +45,8 @@ class LLM:
             contbatch's paged attention (see ``model_impl``). Or a GGUF file (llama.cpp's
             format, "llama" architecture: Llama, Mistral, SmolLM; needs ``pip install
             contbatch[gguf]``), config and tokenizer read from it: on the CPU its Q8_0 linear
-            layers run on the int8 kernels as stored, whatever ``quantization`` says; other
-            tensor types (Q4_K, F16, ...) load dequantized into ``dtype``.
+            layers (and a tied LM head over a Q8_0 embedding table) run on the int8 kernels as
+            stored; other tensor types (Q4_K, F16, ...) load dequantized into ``dtype``.
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
         device: "auto", "cpu" or "cuda".

@@ -24,7 +24,7 @@ from contbatch.layers.linear import (
 )
 from contbatch.config import Quantization
 from contbatch.layers.embedding import Int8Embedding
-from contbatch.ops.int8_blocks import quantize_weight
+from contbatch.ops.int8_blocks import Int8Blocks, quantize_weight
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
@@ -141,6 +141,13 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
         if int8_lookup:
             self.embed_tokens = Int8Embedding(int8_table.data, embedding.dtype)
+
+    def use_int8_tied_head(self, table: Int8Blocks) -> None:
+        """A tied LM head from given 8-bit blocks of the embedding table (a GGUF file's Q8_0
+        ``token_embd``), after pack_weights; the lookup keeps the table it has."""
+        if self.lm_head is not None:
+            raise RuntimeError("use_int8_tied_head: the model's LM head is not tied")
+        self.tied_head_packed = int8_packed(table)
 
     def init_rotary(self, max_positions: int) -> None:
         """Build the cos/sin tables once the weights are materialised (they are not parameters)."""

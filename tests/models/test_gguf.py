@@ -123,6 +123,11 @@ def test_q8_0_layers_run_on_the_files_blocks(q8_0_gguf):
     (embedding,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
     dequantized = torch.from_numpy(gguf.dequantize(embedding.data, embedding.tensor_type))
     assert torch.equal(model.embed_tokens.weight, dequantized)
+    # The tied head runs on the Q8_0 table's own blocks, as llama.cpp runs it.
+    assert model.tied_head_packed.layout == "int8"
+    head, (values, scales) = unpack_int8(model.tied_head_packed.data), _file_blocks(reader, "token_embd.weight")
+    np.testing.assert_array_equal(np.asarray(head.values), values)
+    np.testing.assert_array_equal(np.asarray(head.scales), scales)
 
 
 def test_q8_0_gguf_runs_as_its_dequantized_copy_quantized_by_us(q8_0_gguf, tmp_path, prompt_ids):
