@@ -6,7 +6,7 @@ shares its batch. Sampling uses the exponential-race trick (argmax of p / q with
 q ~ Exp(1)), which draws from p exactly and needs no cumulative sums.
 
 Order of operations on the logits: min_tokens suppression, penalties, grammar
-masks, then greedy argmax or temperature, top-k, top-p, min-p and sampling.
+masks, then greedy argmax or temperature, min-p, top-k, top-p and sampling (vLLM's order).
 """
 
 from dataclasses import dataclass
@@ -105,11 +105,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         return greedy_tokens
     greedy = batch.temperatures == 0
     logits = logits / torch.where(greedy, 1.0, batch.temperatures).unsqueeze(1)
+    # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
+    if bool((batch.min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
     probs = torch.softmax(logits, dim=-1)
-    if bool((batch.min_p > 0).any()):
-        threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
     noise = _exponential_noise(probs, batch.generators, generator)
     sampled = argmax(probs / noise)
     return torch.where(greedy, greedy_tokens, sampled)

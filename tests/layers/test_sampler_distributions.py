@@ -156,3 +156,14 @@ def test_each_row_follows_its_own_settings():
     tokens = _draw(SPREAD, params)
     for group, expected in groups:
         _assert_drawn_from(tokens[[i for i, p in enumerate(params) if p is group]], expected)
+
+
+def test_min_p_before_top_p_as_vllm_orders_them():
+    """vLLM applies min-p after the temperature and before top-k/top-p, so top-p measures
+    mass among the tokens min-p kept: min-p 0.2 keeps 0.5, 0.25 and 0.125, and within them
+    (0.57, 0.29, 0.14) top-p 0.8 needs two tokens, where over the whole distribution it
+    would need three."""
+    params = SamplingParams(min_p=0.2, top_p=0.8)
+    expected = _top_p(_min_p(PROBS, 0.2), 0.8)
+    assert sum(p > 0 for p in expected) == 2 and sum(p > 0 for p in _min_p(_top_p(PROBS, 0.8), 0.2)) == 3
+    _assert_drawn_from(_draw(LOGITS, [params] * ROWS), expected)
