@@ -19,6 +19,7 @@ from contbatch.prompts import (
     PromptPreparer,
     as_prompt_iterable,
     raise_if_invalid,
+    render_conversation,
     validate_conversation,
 )
 from contbatch.sampling_params import SamplingParams
@@ -164,15 +165,10 @@ class LLM:
     def _render_chat(
         self, conversation: list[dict], index: int, chat_template: str | None, add_generation_prompt: bool
     ) -> dict:
-        tokenizer = self.engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-        except Exception as exc:  # the template is the model's own code: name where it failed
-            raise ValueError(f"conversation {index}: the chat template failed: {type(exc).__name__}: {exc}") from exc
-        # The template already holds any BOS it wants: do not let the tokenizer add another.
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        text, token_ids = render_conversation(
+            self.engine.tokenizer, conversation, f"conversation {index}", chat_template, add_generation_prompt
+        )
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     def generate(
         self,

@@ -160,3 +160,19 @@ def _token_list(value: object) -> list[int]:
     if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
         raise TypeError("token-id prompts must be lists of ints")
     return list(value)
+
+
+def render_conversation(
+    tokenizer, conversation: list[dict], where: str, chat_template: str | None = None, add_generation_prompt: bool = True
+) -> tuple[str, list[int]]:
+    """A validated conversation through the tokenizer's chat template: its text and token ids.
+    ValueError naming ``where`` (e.g. "conversation 3") if the template fails. Shared by
+    ``LLM.chat`` and bulk jobs' messages records."""
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+    except Exception as exc:  # the template is the model's own Jinja code and raises anything: name where
+        raise ValueError(f"{where}: the chat template failed: {type(exc).__name__}: {exc}") from exc
+    # The template already holds any BOS it wants: do not let the tokenizer add another.
+    return text, tokenizer(text, add_special_tokens=False).input_ids

@@ -13,6 +13,7 @@ import logging
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
+from contbatch.prompts import render_conversation
 from contbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger("contbatch.jobs")
@@ -77,12 +78,7 @@ class RecordBuilder:
         for index, message in enumerate(messages):
             if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
                 raise ValueError(f"{name}[{index}] must be an object with string 'role' and 'content', got {message!r}")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - templates are user Jinja and raise anything
-            raise ValueError(f"the chat template rejected {name!r}: {exc}") from exc
-        # The template already holds the special tokens: tokenizing must not add a second BOS.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return render_conversation(self.tokenizer, messages, f"field {name!r}")[1]
 
     def _params(self, data: dict) -> SamplingParams | None:
         self._warn_about_top_level_fields(data)
