@@ -12,7 +12,6 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from contbatch.config import Quantization
 from contbatch.jobs import fingerprints
 from contbatch.jobs.ledger import Claim, IdLedger
 from contbatch.jobs.output import (
@@ -191,7 +190,7 @@ def run_job(
         redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
         llm = llm or LLM(model, **(llm_kwargs or {}))
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt,
-                                _described(llm.engine.config.quantization_spec()))
+                                llm.engine.config.quantization_spec())
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
@@ -496,8 +495,3 @@ class _StopSignal:
             self._deferred = True
         else:
             raise KeyboardInterrupt
-
-
-
-def _described(quantization: Quantization | None) -> str | None:
-    return None if quantization is None else quantization.describe()

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from contbatch.config import Quantization
 from contbatch.jobs.output import fsync_directory
 from contbatch.sampling_params import SamplingParams
 
@@ -52,14 +53,14 @@ def job_settings(
     max_model_len: int | None,
     params: SamplingParams,
     prompt: dict,
-    quantization: str | None = None,
+    quantization: Quantization | None = None,
 ) -> dict:
     """Flat {"section.key": JSON value} settings that must match between runs of one job.
-    ``quantization`` (e.g. "int8, LM head int8") is recorded only when set, so that jobs
-    written before it existed still resume."""
+    ``quantization`` is recorded (as "int8, LM head int8, embeddings dense") only when set,
+    so that jobs written before it existed still resume."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
     if quantization is not None:
-        settings["engine.quantization"] = quantization
+        settings["engine.quantization"] = quantization.describe()
     settings.update(input_settings(params, prompt))
     return settings
 

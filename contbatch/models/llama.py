@@ -11,8 +11,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from contbatch.config import Quantization
 from contbatch.layers.activation import GATED_ACTIVATIONS
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from contbatch.layers.embedding import Int8Embedding
 from contbatch.layers.linear import (
     Linear,
     PackedWeight,
@@ -22,12 +24,10 @@ from contbatch.layers.linear import (
     packed_linear,
     quantize_linears,
 )
-from contbatch.config import Quantization
-from contbatch.layers.embedding import Int8Embedding
-from contbatch.ops.int8_blocks import Int8Blocks, quantize_weight
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
+from contbatch.ops.int8_blocks import Int8Blocks, quantize_weight
 
 
 class Attention(nn.Module):

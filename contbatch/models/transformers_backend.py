@@ -18,13 +18,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.config import Quantization
+from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.layers.embedding import Int8Embedding
 from contbatch.layers.linear import Linear, int8_packed, pack_linears, quantize_linears
-from contbatch.ops.int8_blocks import quantize_weight
 from contbatch.models.transformers_attention import ATTENTION_NAME, PagedStep, register_paged_attention
 from contbatch.models.transformers_config import TransformersModelConfig
+from contbatch.ops.int8_blocks import quantize_weight
 
 _PROBE_BLOCK_SIZE = 16
 

@@ -60,8 +60,7 @@ def quantize_weight(weight: torch.Tensor) -> Int8Blocks:
     blocks = _blocks(weight.detach())
     scales = (blocks.abs().amax(dim=-1) / QMAX).to(torch.float16)
     inverse = torch.where(scales > 0, torch.ones_like(scales, dtype=torch.float32) / scales.float(), torch.zeros(()))
-    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return Int8Blocks(values.view(weight.shape[0], -1), scales, weight.shape[1])
+    return Int8Blocks(_rounded(blocks, inverse), scales, weight.shape[1])
 
 
 def quantize_activations(x: torch.Tensor) -> Int8Blocks:
@@ -72,8 +71,14 @@ def quantize_activations(x: torch.Tensor) -> Int8Blocks:
     # A tensor over a tensor: torch computes a scalar over a tensor as a reciprocal times the
     # scalar, one rounding more than the kernel's division.
     inverse = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros((), dtype=torch.float32))
+    return Int8Blocks(_rounded(blocks, inverse), amax / torch.full_like(amax, QMAX), x.shape[1])
+
+
+def _rounded(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """int8 [rows, padded_in]: each block [rows, blocks, 32] times its inverse scale, rounded
+    half to even (as the kernel's conversion) and held to [-127, 127]."""
     values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return Int8Blocks(values.view(x.shape[0], -1), amax / torch.full_like(amax, QMAX), x.shape[1])
+    return values.view(blocks.shape[0], -1)
 
 
 @dataclass(frozen=True)
