@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     package_logger.addHandler(handler)
     try:
         return args.command(args)
+    except KeyboardInterrupt:
+        # Generation handles SIGINT itself; this is one before it, while the Parquet file is
+        # written, or a second Ctrl-C just after the job wound up (while its summary prints).
+        print("contbatch: interrupted; rerun the same command to carry on", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         package_logger.removeHandler(handler)
 
@@ -267,10 +272,6 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ImportError, OSError, TypeError, ValueError) as exc:  # ImportError: pyarrow missing for Parquet
         print(f"contbatch: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        # Before generation (which handles SIGINT itself), or while the Parquet file is written.
-        print("contbatch: interrupted; rerun the same command to carry on", file=sys.stderr)
-        return EXIT_INTERRUPTED
     print(summary.line(), file=sys.stderr)
     return {"done": 0, "interrupted": EXIT_INTERRUPTED}.get(summary.status, EXIT_ERROR)
 

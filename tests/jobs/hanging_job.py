@@ -2,6 +2,8 @@
 command line, and either an ``on_result`` hook that, after the job's Nth result, appends half of
 that result's line again to the results (or journal) file, the torn line a kill mid-write leaves,
 and sleeps; or, with ``rename``, a sleep just before the finished Parquet file is renamed into place.
+Before it sleeps it creates OUTPUT.hanging (``hanging_marker``): the file's own state cannot say
+when to kill, since a normal write crossing a page boundary is briefly seen half done.
 
     python -m tests.jobs.hanging_job INPUT OUTPUT MODEL N|rename
 """
@@ -16,7 +18,16 @@ from contbatch.jobs import run_job
 from contbatch.jobs.output import detect_output_format, encode_line, journal_path
 
 
-def hang_after(count: int, results: Path):
+def hanging_marker(output: Path) -> Path:
+    return output.with_name(output.name + ".hanging")
+
+
+def hang(output: Path) -> None:
+    hanging_marker(output).touch()
+    time.sleep(3600)
+
+
+def hang_after(count: int, results: Path, output: Path):
     written = 0
 
     def on_result(result: dict) -> None:
@@ -27,7 +38,7 @@ def hang_after(count: int, results: Path):
             fd = os.open(results, os.O_WRONLY | os.O_APPEND)
             os.write(fd, line[: len(line) // 2])
             os.close(fd)
-            time.sleep(3600)
+            hang(output)
 
     return on_result
 
@@ -37,7 +48,7 @@ def hang_before_renaming(output: Path) -> None:
 
     def hanging(source, destination) -> None:
         if Path(destination) == output:
-            time.sleep(3600)
+            hang(output)
         replace(source, destination)
 
     os.replace = hanging
@@ -50,7 +61,7 @@ if __name__ == "__main__":
     if when == "rename":
         hang_before_renaming(output)
     else:
-        on_result = hang_after(int(when), journal_path(output, detect_output_format(output, "auto")))
+        on_result = hang_after(int(when), journal_path(output, detect_output_format(output, "auto")), output)
     run_job(
         input_path, output, model=model, sampling_params=SamplingParams(temperature=0, max_tokens=8),
         llm_kwargs={"dtype": "float32", "max_num_seqs": 16}, fsync_every=50, on_result=on_result,

@@ -98,6 +98,21 @@ def test_changed_records_are_refused_then_redone_with_the_flag(tmp_path, chat_mo
     assert sorted(r["id"] for r in read_jsonl(tmp_path / "out.jsonl")) == [0, 1, 2]
 
 
+def test_ctrl_c_after_the_job_wound_up_still_exits_130(tmp_path, chat_model_dir, capsys, monkeypatch):
+    """A second Ctrl-C can land after generation restored the default handler, e.g. while the
+    summary prints: an exit status 130 and one line, not a traceback and 1."""
+    from contbatch.jobs.runner import JobSummary
+
+    def interrupted_while_printing(self) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobSummary, "line", interrupted_while_printing)
+    assert _cli(tmp_path, chat_model_dir) == 130
+    err = capsys.readouterr().err
+    assert "contbatch: interrupted; rerun the same command to carry on" in err and "Traceback" not in err
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 3
+
+
 def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypatch):
     import contbatch.demo_model
 

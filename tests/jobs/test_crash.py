@@ -18,6 +18,7 @@ import pytest
 from contbatch import SamplingParams
 from contbatch.jobs import run_job
 from contbatch.jobs.output import detect_output_format, journal_path
+from tests.jobs.hanging_job import hanging_marker
 from tests.jobs.helpers import (
     cli_command,
     cli_env,
@@ -107,8 +108,10 @@ def test_sigkill_at_random_moments_then_resume(
         before = _lines(journal)
         if round_number % 2 == 0:  # killed mid-write: the hook leaves half a line and hangs
             process = start_cli(_hanging_job(source, output, chat_model_dir, rng.randint(1, 40)))
-            _wait_for(lambda: _torn(journal), process, "a torn line")
+            _wait_for(hanging_marker(output).exists, process, "a torn line")
             _kill(process)
+            hanging_marker(output).unlink()
+            assert _torn(journal)
         else:  # killed at a random point of its progress; first it repairs the torn line
             process = start_cli(command)
             target = before + rng.randint(1, 40)
@@ -118,8 +121,9 @@ def test_sigkill_at_random_moments_then_resume(
         assert not (journal != output and output.exists()), "a Parquet file before the job was done"
     if journal != output:  # killed once every record is done, while the Parquet file is written
         process = start_cli(_hanging_job(source, output, chat_model_dir, "rename"))
-        _wait_for(lambda: output.with_name(output.name + ".tmp").exists(), process, "the Parquet file")
+        _wait_for(hanging_marker(output).exists, process, "the Parquet file")
         _kill(process)
+        hanging_marker(output).unlink()
         assert _lines(journal) == NUM_PROMPTS and not output.exists()
     finished = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
