@@ -2,13 +2,16 @@
 
 from contbatch.jobs import run_job
 from contbatch.llm import LLM
-from contbatch.outputs import CompletionOutput, GenerationInterrupted, RequestMetrics, RequestOutput
+from contbatch.outputs import (
+    CompletionOutput, GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput,
+)
 from contbatch.prompt_queue import PromptQueue
 from contbatch.sampling_params import SamplingParams
 from contbatch.scoring import LabelScores, LoglikelihoodOutput
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationInterrupted", "run_job",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationInterrupted",
+    "GenerationCancelled", "run_job",
     "LoglikelihoodOutput", "LabelScores", "PromptQueue",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
-from contbatch.outputs import GenerationInterrupted, RequestMetrics, RequestOutput
+from contbatch.interrupts import StepInterrupts
+from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
 from contbatch.prompts import (
     PreparedPrompt,
@@ -194,6 +195,10 @@ class LLM:
             GenerationInterrupted: an exception was raised part-way (e.g. by a prompts
                 generator): its ``outputs`` are the requests that finished before it, in
                 input order, and the original exception is its ``__cause__``.
+            GenerationCancelled: Ctrl-C (a KeyboardInterrupt subclass); its ``outputs`` are
+                the requests that finished before it, in input order. A first Ctrl-C takes
+                effect when the running step ends, so the engine is left consistent and the
+                LLM can generate again; a second one in the same step stops it at once.
         """
         outputs = self.iter_generate(prompts, sampling_params, use_tqdm)  # invalid input raises here, as is
         finished: list[RequestOutput] = []
@@ -202,6 +207,8 @@ class LLM:
                 finished.append(output)
         except Exception as exc:
             raise GenerationInterrupted(_in_input_order(finished), exc) from exc
+        except KeyboardInterrupt as exc:
+            raise GenerationCancelled(_in_input_order(finished)) from exc
         return _in_input_order(finished)
 
     def iter_generate(
@@ -216,6 +223,8 @@ class LLM:
         the input (as a string). Nothing is kept for finished requests, so memory stays
         flat however many prompts stream through. Closing the iterator early aborts
         the unfinished requests. To add prompts while it runs, pass a ``PromptQueue``.
+        A Ctrl-C that arrives while a step runs is raised once the step's finished
+        outputs are yielded (contbatch/interrupts.py).
         """
         self._check_idle()  # here too, so that generate() raises it as it is, before any work
         items, materialised = as_prompt_iterable(prompts)
@@ -303,6 +312,7 @@ class LLM:
         self._check_idle()  # two iterators made before either ran: the second to start is refused
         self._running = True
         feed = source if isinstance(source, PromptQueue) else IterableFeed(source)
+        interrupts = StepInterrupts()  # Ctrl-C between engine updates, never inside one
         try:
             while True:
                 while engine.num_waiting < engine.config.max_num_seqs:
@@ -311,17 +321,22 @@ class LLM:
                     if taken is None:
                         break
                     position, item = taken
-                    failed = self._admit(position, item, next(params, None), prepared)
+                    with interrupts.deferred():
+                        failed = self._admit(position, item, next(params, None), prepared)
                     if failed is not None:
                         progress.update(failed)
                         yield failed
+                    interrupts.raise_pending()
                 if not engine.has_unfinished():
                     if feed.finished:
                         return
                     continue
-                for output in engine.step():
+                with interrupts.deferred():
+                    finished = engine.step()
+                for output in finished:
                     progress.update(output)
                     yield output
+                interrupts.raise_pending()
         finally:
             engine.abort_all()
             progress.close()

@@ -1,5 +1,6 @@
 """What generate() returns: RequestOutput with one CompletionOutput per sample, or, when it stops
-part-way, GenerationInterrupted carrying the outputs finished so far."""
+part-way, GenerationInterrupted (an error) or GenerationCancelled (Ctrl-C) carrying the
+outputs finished so far."""
 
 from dataclasses import dataclass
 
@@ -82,3 +83,22 @@ class GenerationInterrupted(Exception):
             f"{type(cause).__name__}: {cause}"
         )
         self.outputs = outputs
+
+
+class GenerationCancelled(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped ``LLM.generate()``: a KeyboardInterrupt, so code that catches
+    ``Exception`` does not swallow it, that carries the finished requests.
+
+    ``outputs`` holds the RequestOutputs that finished before it, in input order (including
+    those of the step the Ctrl-C arrived in: a first Ctrl-C takes effect once the running
+    step is done); requests still running were aborted and are not in it. In a notebook,
+    after the traceback: ``sys.last_value.outputs``.
+    """
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__(
+            f"generation cancelled after {len(outputs)} finished request(s) (kept in .outputs; "
+            "in a notebook: sys.last_value.outputs)"
+        )
+        self.outputs = outputs
+
