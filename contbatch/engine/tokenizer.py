@@ -5,14 +5,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from contbatch.models.gguf import gguf_eos_token_ids, is_gguf_file
+from contbatch.models.gguf import gguf_eos_token_ids, is_gguf_file, parsed_once
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a model directory, or of a GGUF file (which holds its own)."""
     try:
         if is_gguf_file(model_dir):
-            return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
+            with parsed_once(model_dir):
+                return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(

@@ -10,7 +10,8 @@ never through a dense dtype. Needs the ``gguf`` package (``pip install contbatch
 """
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def read_gguf_config(path: Path) -> ModelConfig:
     architecture = _architecture(reader, path)
     _check_tensor_types(reader, path)
     _check_rope(reader, architecture, path)
-    raw = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    with parsed_once(path):
+        raw = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     # transformers makes a "llama" file whose name says Mistral a MistralConfig (a 4096-token
     # sliding window by default); llama.cpp runs every such file as Llama, and so do we.
     raw["model_type"] = architecture
@@ -129,6 +131,26 @@ def _open(path: Path, mtime_ns: int, size: int) -> "gguf_py.GGUFReader":
     except (ValueError, IndexError, KeyError) as exc:
         raise ValueError(f"GGUF file {str(path)!r} is truncated or not a GGUF file ({exc}); "
                          "download or convert it again") from None
+
+
+@contextmanager
+def parsed_once(path: Path) -> Iterator[None]:
+    """Inside it, transformers' GGUF loading (config, tokenizer) reads ``path`` through the
+    reader this process has parsed already, instead of parsing the file again (seconds each:
+    a Python object per token). transformers looks ``gguf.GGUFReader`` up as it loads, so it
+    is swapped for the duration; other files still get a reader of their own."""
+    parsed, real, target = _reader(path), gguf_py.GGUFReader, path.resolve()
+
+    def reader_for(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == target:
+            return parsed
+        return real(file, *args, **kwargs)
+
+    gguf_py.GGUFReader = reader_for
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader = real
 
 
 def _architecture(reader: "gguf_py.GGUFReader", path: Path) -> str:

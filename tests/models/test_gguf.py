@@ -74,6 +74,24 @@ def test_demo_gguf_generates_its_converted_directorys_tokens(demo_gguf_llm, smol
     assert _greedy(demo_gguf_llm, PROMPTS) == _greedy(directory, PROMPTS)
 
 
+def test_a_gguf_file_is_parsed_once_for_config_tokenizer_and_weights(q8_0_gguf, monkeypatch):
+    """Each parse of the metadata takes seconds (a Python object per token)."""
+    from contbatch.models import gguf as ours
+
+    parsed = []
+    real = gguf.GGUFReader
+
+    def counting(path, *args, **kwargs):
+        parsed.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    ours._open.cache_clear()
+    llm = LLM(q8_0_gguf, **SMALL)
+    assert parsed == [str(q8_0_gguf)]
+    assert llm.get_tokenizer().encode("Hello world") and gguf.GGUFReader is counting
+
+
 def _llama_cpp_permute(rows: torch.Tensor, heads: int) -> np.ndarray:
     """Hugging Face's q/k rows in llama.cpp's order (convert_hf_to_gguf.py, LlamaModel.permute)."""
     pairs = rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
