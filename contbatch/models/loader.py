@@ -23,7 +23,6 @@ from contbatch.models.config import ModelConfig, NativeModelLacks, load_model_co
 from contbatch.models.gemma3 import Gemma3ForCausalLM
 from contbatch.models.gguf import GGUFTensor, gguf_tensors, is_gguf_file, read_gguf_config
 from contbatch.models.llama import LlamaForCausalLM
-from contbatch.models.transformers_backend import load_transformers_model
 from contbatch.models.transformers_config import TransformersModelConfig, read_transformers_config
 from contbatch.ops.int8_blocks import Int8Blocks
 
@@ -115,6 +114,10 @@ def load_model(
     if not (gguf or files):
         raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
     if isinstance(config, TransformersModelConfig):
+        # Imported here: transformers' modeling code takes ~1.7 s to import, which the native
+        # models never need.
+        from contbatch.models.transformers_backend import load_transformers_model
+
         return load_transformers_model(model_dir, config, dtype, device, quantization)
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
