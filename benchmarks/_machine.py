@@ -9,7 +9,7 @@ import transformers
 
 from contbatch import ops
 
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+_ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
 def _cpuinfo() -> dict[str, str]:

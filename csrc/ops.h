@@ -39,8 +39,12 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& inpu
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
                      const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
                      const std::optional<at::Tensor>& bias);
-// Which int8 kernel the active tier runs ("generic", "avx2" or "avx512_vnni").
+// Which int8 kernel runs now ("generic", "avx2", "avx_vnni" or "avx512_vnni").
 std::string int8_kernel_isa();
+// Runs int8 kernel `name` from now on, whatever the tier ("auto" or "": chosen by the tier);
+// ValueError naming the runnable ones for a kernel this CPU or build cannot run.
+void set_int8_kernel(std::string name);
+std::vector<std::string> supported_int8_kernels();
 
 // The CPU kernels' ISA tier (csrc/cpu/cpu_isa.h): the one the ops run now, choosing one by
 // name ("auto", "generic", "avx2", "avx512", "avx512_bf16"), those this CPU can run, and

@@ -133,11 +133,35 @@ int8_quantize_rows = _native.int8_quantize_rows if _native is not None else refe
 int8_linear = _native.int8_linear if _native is not None else reference.int8_linear
 
 
+INT8_KERNELS = ("generic", "avx2", "avx_vnni", "avx512_vnni")
+"""The int8 linear kernels, slowest first (csrc/cpu/int8_kernel_api.h)."""
+
+
 def int8_kernel_isa() -> str | None:
-    """Which int8 linear kernel runs under the active tier: "avx512_vnni" (either AVX-512 tier
-    on a CPU with VNNI), "avx2" (AVX2, and AVX-512 without VNNI) or "generic"; None without
-    the extension."""
+    """Which int8 linear kernel runs now. By default it follows the active tier:
+    "avx512_vnni" under either AVX-512 tier on a CPU with VNNI, else "avx_vnni" (256-bit
+    vpdpbusd, Intel's AVX2 client CPUs) where the CPU has it, else "avx2" (vpmaddwd), and
+    "generic" under the generic tier; None without the extension."""
     return None if _native is None else _native.int8_kernel_isa()
+
+
+def supported_int8_kernels() -> list[str]:
+    """The int8 kernels this CPU and build can run, slowest first; empty without the extension."""
+    return [] if _native is None else list(_native.supported_int8_kernels())
+
+
+@contextmanager
+def use_int8_kernel(name: str) -> Iterator[None]:
+    """Runs the block's int8 ops on kernel ``name`` whatever the tier, then goes back to the
+    tier's choice: how tests and benchmarks reach each int8 kernel a CPU has. ValueError for
+    one this CPU or build cannot run."""
+    if _native is None:
+        raise ValueError("use_int8_kernel: the C++ extension is not built")
+    _native.set_int8_kernel(name)
+    try:
+        yield
+    finally:
+        _native.set_int8_kernel("auto")
 
 __all__ = [
     "BACKEND",
@@ -150,6 +174,9 @@ __all__ = [
     "int8_quantize_rows",
     "int8_linear",
     "int8_kernel_isa",
+    "INT8_KERNELS",
+    "supported_int8_kernels",
+    "use_int8_kernel",
     "CPU_ISAS",
     "cpu_isa",
     "supported_cpu_isas",

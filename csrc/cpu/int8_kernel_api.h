@@ -7,8 +7,10 @@
 // Activations are rows of values [rows][blocks * 32] with fp32 scales [rows][blocks].
 //
 // The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
-// VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs, AVX2's
-// vpmaddwd on AVX2 and on AVX-512 CPUs without VNNI (Skylake-SP), portable C++ otherwise.
+// VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs; else AVX-VNNI
+// (the 256-bit vpdpbusd) where the CPU has it, else AVX2's vpmaddwd, under the AVX2 tier and
+// on AVX-512 CPUs without VNNI; portable C++ under the generic tier. set_int8_kernel (ops.h)
+// overrides the choice for tests and benchmarks.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +56,7 @@ struct Int8Kernels {
 // nullptr where this build could not compile the tier (as kernel_set.h's getters).
 const Int8Kernels* int8_generic_kernels();
 const Int8Kernels* int8_avx2_kernels();
+const Int8Kernels* int8_avx_vnni_kernels();
 const Int8Kernels* int8_avx512_vnni_kernels();
 
 }  // namespace contbatch::cpu

@@ -37,15 +37,51 @@ bool cpu_has_avx512_vnni() {
 #endif
 }
 
-// VNNI under either AVX-512 tier where the CPU has it; AVX2's kernel under AVX2 and under
-// AVX-512 without VNNI (every AVX-512 CPU has AVX2); portable C++ under the generic tier.
-const cpu::Int8Kernels& active_int8_kernels() {
-  static const bool has_vnni = cpu_has_avx512_vnni();
-  const std::string_view isa = cpu::active_kernels().isa;
-  if (isa.substr(0, 6) == "avx512" && has_vnni && cpu::int8_avx512_vnni_kernels() != nullptr) {
-    return *cpu::int8_avx512_vnni_kernels();
+bool cpu_has_avx_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+#else
+  return false;
+#endif
+}
+
+// The int8 kernels this CPU and build can run, slowest first.
+const std::vector<const cpu::Int8Kernels*>& runnable_int8_kernels() {
+  static const std::vector<const cpu::Int8Kernels*> runnable = [] {
+    const auto tiers = supported_cpu_isas();  // the ISAs this CPU and its OS run
+    const auto runs = [&](const char* tier) { return std::find(tiers.begin(), tiers.end(), tier) != tiers.end(); };
+    std::vector<const cpu::Int8Kernels*> kernels{cpu::int8_generic_kernels()};
+    for (const auto& [usable, kernel] :
+         {std::pair{runs("avx2"), cpu::int8_avx2_kernels()},
+          std::pair{runs("avx2") && cpu_has_avx_vnni(), cpu::int8_avx_vnni_kernels()},
+          std::pair{runs("avx512") && cpu_has_avx512_vnni(), cpu::int8_avx512_vnni_kernels()}}) {
+      if (usable && kernel != nullptr) kernels.push_back(kernel);
+    }
+    return kernels;
+  }();
+  return runnable;
+}
+
+const cpu::Int8Kernels* runnable_int8_kernel(std::string_view name) {
+  for (const cpu::Int8Kernels* kernel : runnable_int8_kernels()) {
+    if (kernel->name == name) return kernel;
   }
-  if (isa != "generic" && cpu::int8_avx2_kernels() != nullptr) return *cpu::int8_avx2_kernels();
+  return nullptr;
+}
+
+const cpu::Int8Kernels* forced_int8_kernel = nullptr;  // set_int8_kernel's choice; nullptr: automatic
+
+// Unless set_int8_kernel chose one: VNNI under either AVX-512 tier where the CPU has it;
+// else AVX-VNNI's 256-bit vpdpbusd where the CPU has it (Intel's AVX2 client CPUs), else
+// AVX2's vpmaddwd kernel, under any tier but the generic one; portable C++ under that.
+const cpu::Int8Kernels& active_int8_kernels() {
+  if (forced_int8_kernel != nullptr) return *forced_int8_kernel;
+  const std::string_view isa = cpu::active_kernels().isa;
+  if (isa == "generic") return *cpu::int8_generic_kernels();
+  for (const char* name : {isa.substr(0, 6) == "avx512" ? "avx512_vnni" : "", "avx_vnni", "avx2"}) {
+    if (const cpu::Int8Kernels* kernel = runnable_int8_kernel(name)) return *kernel;
+  }
   return *cpu::int8_generic_kernels();
 }
 
@@ -162,5 +198,26 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }
+
+void set_int8_kernel(std::string name) {
+  if (name.empty() || name == "auto") {
+    forced_int8_kernel = nullptr;
+    return;
+  }
+  const cpu::Int8Kernels* kernel = runnable_int8_kernel(name);
+  if (kernel == nullptr) {
+    std::string runnable;
+    for (const cpu::Int8Kernels* k : runnable_int8_kernels()) runnable += std::string(runnable.empty() ? "" : ", ") + k->name;
+    TORCH_CHECK_VALUE(false, "set_int8_kernel: this CPU or build cannot run the int8 kernel '", name,
+                      "'; it can run: auto, ", runnable);
+  }
+  forced_int8_kernel = kernel;
+}
+
+std::vector<std::string> supported_int8_kernels() {
+  std::vector<std::string> names;
+  for (const cpu::Int8Kernels* kernel : runnable_int8_kernels()) names.emplace_back(kernel->name);
+  return names;
+}
 
 }  // namespace contbatch

@@ -11,7 +11,8 @@
 //   CONTBATCH_TIER_TABLE   its type (Int8Kernels; default KernelSet), named kTierTable by the body
 // Everything compiled for the tier has internal linkage, so no tier's code can stand in
 // for an inline function that other translation units share. Only GCC on x86-64 builds
-// the tiers; elsewhere the getter returns nullptr and the generic kernels run.
+// the tiers; elsewhere (or where the TU defines CONTBATCH_TIER_UNAVAILABLE: a compiler too old
+// for its target) the getter returns nullptr and the generic kernels run.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +25,7 @@
 #define CONTBATCH_TIER_TABLE KernelSet
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CONTBATCH_TIER_UNAVAILABLE)
 
 #define CONTBATCH_PRAGMA(x) _Pragma(#x)
 #define CONTBATCH_TARGET(isa) CONTBATCH_PRAGMA(GCC target(isa))

@@ -5,7 +5,8 @@
 // Included after simd_avx512.h inside an int8 TU's target region.
 #pragma once
 
-using StagedQuad = uint32_t;  // q + 128, 4 unsigned bytes
+#include "simd_int8_offset.h"
+
 using I8Input = __m512i;
 using I8Acc = __m512i;  // lane i: column i
 using I8Weights = __m512i;  // lane i: the column's 4 weights
@@ -15,11 +16,6 @@ using I8Weights = __m512i;  // lane i: the column's 4 weights
 constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
 
-inline StagedQuad stage_quad(const int8_t* x) {
-  uint32_t bits;
-  std::memcpy(&bits, x, sizeof bits);
-  return bits ^ 0x80808080u;  // flipping the sign bit of a two's complement byte adds 128
-}
 inline I8Input i8_broadcast(StagedQuad x) { return _mm512_set1_epi32(int(x)); }
 inline I8Acc i8_start(const int16_t* sums) {
   const __m512i sum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));

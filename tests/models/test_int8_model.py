@@ -92,6 +92,24 @@ def test_int8_greedy_tokens_are_fake_quant_hf_argmax(batched, isa, smollm_dir, f
     _assert_argmax_of(fake_quant_hf, prompt_ids, outputs)
 
 
+@pytest.mark.skipif(ops.BACKEND != "native", reason="the int8 kernels are in the C++ extension")
+@pytest.mark.parametrize("kernel", ops.INT8_KERNELS)
+def test_int8_greedy_tokens_on_every_int8_kernel(kernel, smollm_dir, fake_quant_hf):
+    """Each int8 kernel this CPU has (a tier runs one: AVX-VNNI's hides AVX2's where both run),
+    ten requests together, under the best tier."""
+    if kernel not in ops.supported_int8_kernels():
+        pytest.skip(f"this CPU or build cannot run the {kernel} int8 kernel")
+    with ops.use_int8_kernel(kernel):
+        llm = LLM(smollm_dir, dtype="float32", quantization="int8", max_model_len=256)
+        prompt_ids = _prompts(llm, 10)
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    _assert_argmax_of(fake_quant_hf, prompt_ids, outputs)
+
+
 def test_int8_embeddings_share_the_head_copy(smollm_dir):
     """quantize_embeddings: the lookup gives the Q8_0 rows dequantized, from the same int8
     copy as the tied head, and greedy tokens are the fake-quantized HF model's argmax."""

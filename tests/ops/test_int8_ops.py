@@ -1,6 +1,6 @@
 """The int8 ops (csrc/cpu/int8_*) against the PyTorch reference (contbatch/ops/int8_blocks.py)
-on every ISA tier this CPU runs, which covers each int8 kernel it can run (VNNI under the
-AVX-512 tiers on VNNI CPUs, AVX2's vpmaddwd kernel, portable C++):
+on every int8 kernel this CPU runs (ops.use_int8_kernel: AVX-512 VNNI, AVX-VNNI, AVX2's
+vpmaddwd, portable C++), and the rule that picks one for each ISA tier:
 
 - activation quantization: bit for bit, fp32 and bf16 rows, ragged last blocks;
 - the linear op: exact integer block sums (small values and unit scales make every fp32
@@ -17,39 +17,49 @@ from hypothesis import given, settings
 from contbatch import ops
 from contbatch.ops import int8_blocks, reference
 from contbatch.ops.int8_blocks import BLOCK, Int8Blocks, pack_int8, quantize_weight, unpack_int8
-from tests.ops.paged_batch import cpu_isa, isa_params, require_native
+from tests.ops.paged_batch import cpu_isa, require_native
 
 require_native()
 
 native = torch.ops.contbatch
 DTYPES = [torch.float32, torch.bfloat16]
+SUPPORTED_KERNELS = ops.supported_int8_kernels()
 
 
-def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, isa) -> torch.Tensor:
+def kernel_params() -> list:
+    """Every int8 kernel as a pytest parameter; those this CPU or build lacks are skipped, saying so."""
+    return [
+        pytest.param(kernel, marks=pytest.mark.skipif(kernel not in SUPPORTED_KERNELS,
+                                                      reason=f"this CPU or build cannot run the {kernel} int8 kernel"))
+        for kernel in ops.INT8_KERNELS
+    ]
+
+
+def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Tensor:
     packed = pack_int8(weight)
     out = torch.full((x.values.shape[0], packed.out_features), float("nan"), dtype=dtype)
-    with cpu_isa(isa):
+    with ops.use_int8_kernel(kernel):
         native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, packed.sums, bias)
     assert not out.isnan().any(), "an output element was never written"
     return out
 
 
-@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("kernel", kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 20), in_features=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
-def test_quantize_rows_equals_reference(isa, dtype, rows, in_features, seed):
+def test_quantize_rows_equals_reference(kernel, dtype, rows, in_features, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
     x[0, : min(in_features, BLOCK)] = 0  # an all-zero block: scale 0, values 0
-    with cpu_isa(isa):
+    with ops.use_int8_kernel(kernel):
         values, scales = native.int8_quantize_rows(x)
     expected = int8_blocks.quantize_activations(x)
     assert torch.equal(values, expected.values)
     assert torch.equal(scales, expected.scales)
 
 
-@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("kernel", kernel_params())
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -57,7 +67,7 @@ def test_quantize_rows_equals_reference(isa, dtype, rows, in_features, seed):
     blocks=st.integers(1, 12),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_integer_sums_are_exact(isa, rows, out_features, blocks, seed):
+def test_linear_integer_sums_are_exact(kernel, rows, out_features, blocks, seed):
     """Values up to +-127 on one side and +-15 on the other keep every sum below 2^24, where
     fp32 holds integers exactly: the kernel must give the int64 matmul bit for bit."""
     g = torch.Generator().manual_seed(seed)
@@ -66,12 +76,12 @@ def test_linear_integer_sums_are_exact(isa, rows, out_features, blocks, seed):
     w_values = torch.randint(-15, 16, (out_features, in_features), generator=g, dtype=torch.int8)
     x = Int8Blocks(x_values, torch.ones(rows, blocks), in_features)
     weight = Int8Blocks(w_values, torch.ones(out_features, blocks, dtype=torch.float16), in_features)
-    out = _linear(x, weight, None, torch.float32, isa)
+    out = _linear(x, weight, None, torch.float32, kernel)
     expected = x_values.long() @ w_values.long().T
     assert torch.equal(out, expected.float())
 
 
-@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("kernel", kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=40, deadline=None)
 @given(
@@ -81,27 +91,27 @@ def test_linear_integer_sums_are_exact(isa, rows, out_features, blocks, seed):
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_matches_reference(isa, dtype, rows, out_features, in_features, with_bias, seed):
+def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     weight = quantize_weight(torch.randn(out_features, in_features, generator=g) * 0.2)
     bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
     x_blocks = int8_blocks.quantize_activations(x)
-    ours = _linear(x_blocks, weight, bias, dtype, isa)
+    ours = _linear(x_blocks, weight, bias, dtype, kernel)
     expected = int8_blocks.int8_linear_reference(x_blocks, weight, bias)
     # fp32 sums over blocks in another order; bf16 output: one rounding step more.
     rtol, atol = (2**-7, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5 * in_features)
     torch.testing.assert_close(ours.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("kernel", kernel_params())
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 47, 48, 49, 101])
-def test_linear_row_tiles_and_tasks(isa, rows):
+def test_linear_row_tiles_and_tasks(kernel, rows):
     """Row counts around the register tiles (3, 4 rows) and the 48-row task, SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
     x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g))
     weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05)
-    ours = _linear(x, weight, None, torch.float32, isa)
+    ours = _linear(x, weight, None, torch.float32, kernel)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -130,19 +140,28 @@ def test_weight_round_trip_within_half_a_step(out_features, in_features, seed):
 
 def test_ops_wrappers_take_the_extension():
     assert ops.int8_linear is native.int8_linear and ops.int8_quantize_rows is native.int8_quantize_rows
-    expected = {"generic": "generic", "avx2": "avx2"}
+
+
+def _best_of(*kernels: str) -> str:
+    return next(k for k in kernels if k in SUPPORTED_KERNELS)
+
+
+def test_each_tier_runs_the_best_int8_kernel_the_cpu_has():
+    expected = {
+        "generic": "generic",
+        "avx2": _best_of("avx_vnni", "avx2"),
+        "avx512": _best_of("avx512_vnni", "avx_vnni", "avx2"),
+        "avx512_bf16": _best_of("avx512_vnni", "avx_vnni", "avx2"),
+    }
     for isa in ops.supported_cpu_isas():
         with cpu_isa(isa):
-            assert ops.int8_kernel_isa() == expected.get(isa, ops.int8_kernel_isa())
-            if isa.startswith("avx512"):
-                assert ops.int8_kernel_isa() in ("avx512_vnni", "avx2")
+            assert ops.int8_kernel_isa() == expected[isa], isa
+            with ops.use_int8_kernel("generic"):
+                assert ops.int8_kernel_isa() == "generic"
+            assert ops.int8_kernel_isa() == expected[isa], "use_int8_kernel did not hand the choice back"
 
 
-def test_reference_op_equals_reference_math():
-    g = torch.Generator().manual_seed(0)
-    x = int8_blocks.quantize_activations(torch.randn(5, 70, generator=g))
-    weight = quantize_weight(torch.randn(9, 70, generator=g))
-    packed = pack_int8(weight)
-    out = torch.empty(5, 9)
-    reference.int8_linear(out, x.values, x.scales, packed.values, packed.scales, packed.sums, None)
-    torch.testing.assert_close(out.double(), int8_blocks.int8_linear_reference(x, weight, None))
+def test_a_kernel_the_cpu_cannot_run_is_refused_naming_those_it_can():
+    with pytest.raises(ValueError, match="cannot run the int8 kernel 'avx9'; it can run: auto, generic"):
+        with ops.use_int8_kernel("avx9"):
+            pass

@@ -1,0 +1,46 @@
+// The int8 section (int8_linear_kernel.h) for AVX-VNNI: the VEX-encoded 256-bit vpdpbusd of
+// Intel's AVX2 client CPUs (Alder Lake and later), which have no AVX-512. Like the AVX-512
+// VNNI section, 4 unsigned bytes times 4 signed bytes are added into an int32 lane, 32
+// products an instruction (twice vpmaddwd's 16, with no separate add); inputs enter as
+// q + 128 and each block's accumulator starts at -128 * (the column's sum of weights).
+// One lane is one column (the panel's [column][4] order), 8 columns a register.
+// Included after simd_avx2.h inside an int8 TU's target region.
+#pragma once
+
+#include "simd_int8_offset.h"
+
+#include "simd_int8_ymm.h"
+
+using I8Input = __m256i;
+struct I8Acc {
+  __m256i columns[2];  // columns 0-7 and 8-15, int32
+};
+struct I8Weights {
+  __m256i columns[2];  // columns 0-7 and 8-15 x 4 inputs, int8
+};
+
+// 4 rows x 16 columns: 8 int32 accumulators, 2 weight registers and an input in the 16 ymm
+// registers, the fp32 sums over blocks beside them (3, 4 and 6 rows measured with the AVX2 tier
+// forced on an Emerald Rapids Xeon: 3 and 4 alike at 256 rows, 4 better at 4 rows).
+constexpr int kI8TileRows = 4;
+constexpr int kI8TileVectors = 1;
+
+inline I8Input i8_broadcast(StagedQuad x) { return _mm256_set1_epi32(int(x)); }
+inline I8Acc i8_start(const int16_t* sums) {
+  I8Acc acc;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sum = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8 * h)));
+    acc.columns[h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7));
+  }
+  return acc;
+}
+inline I8Weights i8_load(const int8_t* w) {
+  return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))}};
+}
+inline void i8_dot(I8Acc& acc, const I8Weights& w, I8Input x) {
+  for (int h = 0; h < 2; ++h) acc.columns[h] = _mm256_dpbusd_avx_epi32(acc.columns[h], x, w.columns[h]);
+}
+inline Vec16 i8_finish(const I8Acc& acc) {
+  return {_mm256_cvtepi32_ps(acc.columns[0]), _mm256_cvtepi32_ps(acc.columns[1])};
+}

@@ -1,0 +1,12 @@
+// Input staging shared by the vpdpbusd int8 sections (simd_int8_vnni.h, simd_int8_avx_vnni.h):
+// vpdpbusd multiplies unsigned by signed bytes, so each input enters as q + 128 and the
+// section starts each block's accumulator at -128 * (the column's sum of weights).
+#pragma once
+
+using StagedQuad = uint32_t;  // q + 128, 4 unsigned bytes
+
+inline StagedQuad stage_quad(const int8_t* x) {
+  uint32_t bits;
+  std::memcpy(&bits, x, sizeof bits);
+  return bits ^ 0x80808080u;  // flipping the sign bit of a two's complement byte adds 128
+}
