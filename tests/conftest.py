@@ -144,10 +144,17 @@ def smollm_gguf() -> Path:
     return demo_gguf_path()
 
 
-def write_gguf(source: Path, target: Path, num_layers: int, tensor_type: Callable[[str, np.ndarray], str]) -> Path:
+def write_gguf(
+    source: Path,
+    target: Path,
+    num_layers: int,
+    tensor_type: Callable[[str, np.ndarray], str],
+    edit: Callable[[str, np.ndarray], np.ndarray] | None = None,
+) -> Path:
     """``source``'s metadata and tokenizer with its first ``num_layers`` layers, each tensor
     (dequantized) stored again in the GGUF type ``tensor_type(name, values)`` names ("F32",
-    "Q8_0", ...): a small model with a real tokenizer, in the types a test needs."""
+    "Q8_0", ...): a small model with a real tokenizer, in the types a test needs. ``edit(name,
+    data)`` may change a tensor's stored bytes (as gguf-py lays them out) before they are written."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -164,7 +171,8 @@ def write_gguf(source: Path, target: Path, num_layers: int, tensor_type: Callabl
             continue
         values = gguf.dequantize(tensor.data, tensor.tensor_type)
         stored_type = gguf.GGMLQuantizationType[tensor_type(tensor.name, values)]
-        writer.add_tensor(tensor.name, gguf.quantize(values, stored_type), raw_dtype=stored_type)
+        data = gguf.quantize(values, stored_type)
+        writer.add_tensor(tensor.name, data if edit is None else edit(tensor.name, data), raw_dtype=stored_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

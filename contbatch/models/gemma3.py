@@ -18,6 +18,7 @@ from contbatch.layers.norm import GemmaRMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
 from contbatch.models.config import ModelConfig
 from contbatch.models.llama import DecoderLayer, LlamaForCausalLM
+from contbatch.ops.int8_blocks import Int8Blocks
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -47,12 +48,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self.local_rotary: RotaryEmbedding | None = None
 
-    def pack_weights(self, quantization: Quantization | None = None) -> None:
+    def pack_weights(self, quantization: Quantization | None = None, embedding_blocks: Int8Blocks | None = None) -> None:
         """After loading: fold the 1 into every norm's weight, then pack as Llama does."""
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.fold_one()
-        super().pack_weights(quantization)
+        super().pack_weights(quantization, embedding_blocks)
 
     def init_rotary(self, max_positions: int) -> None:
         super().init_rotary(max_positions)

@@ -126,28 +126,25 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
 
-    def pack_weights(self, quantization: Quantization | None = None) -> None:
+    def pack_weights(self, quantization: Quantization | None = None, embedding_blocks: Int8Blocks | None = None) -> None:
         """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel,
-        in 8-bit blocks where ``quantization`` says so."""
+        in 8-bit blocks where ``quantization`` says so. ``embedding_blocks``: the embedding
+        table already in 8-bit blocks (a GGUF file's Q8_0 ``token_embd``), used as they are
+        wherever the table is needed in int8; without ``quantization`` a tied head takes them."""
         if quantization is not None:
             quantize_linears(self, keep_dense=() if quantization.lm_head else (self.lm_head,))
         pack_linears(self)
         embedding = self.embed_tokens.weight
-        int8_head = quantization is not None and quantization.lm_head and self.lm_head is None
+        tied = self.lm_head is None
+        int8_head = tied and (quantization.lm_head if quantization is not None else embedding_blocks is not None)
         int8_lookup = quantization is not None and quantization.embeddings
-        # One int8 copy of the table serves both a tied head and the lookup.
-        int8_table = int8_packed(quantize_weight(embedding)) if int8_head or int8_lookup else None
-        if self.lm_head is None:
+        int8_table = None  # one int8 copy of the table serves both a tied head and the lookup
+        if int8_head or int8_lookup:
+            int8_table = int8_packed(embedding_blocks if embedding_blocks is not None else quantize_weight(embedding))
+        if tied:
             self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
         if int8_lookup:
             self.embed_tokens = Int8Embedding(int8_table.data, embedding.dtype)
-
-    def use_int8_tied_head(self, table: Int8Blocks) -> None:
-        """A tied LM head from given 8-bit blocks of the embedding table (a GGUF file's Q8_0
-        ``token_embd``), after pack_weights; the lookup keeps the table it has."""
-        if self.lm_head is not None:
-            raise RuntimeError("use_int8_tied_head: the model's LM head is not tied")
-        self.tied_head_packed = int8_packed(table)
 
     def init_rotary(self, max_positions: int) -> None:
         """Build the cos/sin tables once the weights are materialised (they are not parameters)."""

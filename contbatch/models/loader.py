@@ -122,16 +122,14 @@ def load_model(
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    int8_head: Int8Blocks | None = None
+    embedding_blocks: Int8Blocks | None = None
     if gguf:
         # The int8 kernels run on the CPU only; elsewhere Q8_0 tensors load densely (exactly).
-        int8_head = _load_gguf_weights(model, config, model_dir, int8=device.type == "cpu")
+        embedding_blocks = _load_gguf_weights(model, config, model_dir, int8=device.type == "cpu")
     else:
         _load_weights(model, config, files)
     model.init_rotary(max_positions)
-    model.pack_weights(quantization)
-    if int8_head is not None and quantization is None:  # quantize_lm_head=False keeps it dense
-        model.use_int8_tied_head(int8_head)
+    model.pack_weights(quantization, embedding_blocks)
     return model.eval()
 
 
@@ -173,7 +171,8 @@ def _load_file(file: Path, params: dict[str, torch.Tensor], config: ModelConfig,
 def _load_gguf_weights(model: nn.Module, config: ModelConfig, path: Path, int8: bool) -> Int8Blocks | None:
     """Copies a GGUF file's tensors into ``model``; with ``int8``, a linear layer whose tensors
     are all Q8_0 takes their 8-bit blocks instead. Returns, with ``int8``, the blocks of a
-    Q8_0 embedding table that a tied LM head reads (as llama.cpp runs it), else None."""
+    Q8_0 embedding table (a tied LM head reads them, as llama.cpp runs it, and an int8
+    lookup keeps them), else None."""
     params = dict(model.named_parameters())
     expected = _expected_checkpoint_names(params, config)
     tensors = gguf_tensors(path, config, expected)
@@ -189,7 +188,7 @@ def _load_gguf_weights(model: nn.Module, config: ModelConfig, path: Path, int8: 
         blocks = _fused_blocks(params[target], [(name, tensors[name]) for name in names], config)
         model.get_submodule(target.removesuffix(".weight")).quantize_int8(blocks)
     table = tensors.get("model.embed_tokens.weight")
-    return table.int8_blocks() if int8 and config.tie_word_embeddings and table.is_q8_0 else None
+    return table.int8_blocks() if int8 and table.is_q8_0 else None
 
 
 def _q8_0_layers(model: nn.Module, config: ModelConfig, tensors: dict[str, GGUFTensor]) -> dict[str, list[str]]:

@@ -148,6 +148,32 @@ def test_q8_0_layers_run_on_the_files_blocks(q8_0_gguf):
     np.testing.assert_array_equal(np.asarray(head.scales), scales)
 
 
+def _halve_embedding_values(name: str, data: np.ndarray) -> np.ndarray:
+    """token_embd's int8 values halved, its scales kept: blocks whose largest value is far
+    from 127, as quantizers other than gguf-py's leave them (ours would re-scale them)."""
+    if name != "token_embd.weight":
+        return data
+    blocks = data.copy().reshape(data.shape[0], -1, 34)
+    values = blocks[..., 2:].view(np.int8)
+    values //= 2
+    return blocks.reshape(data.shape)
+
+
+def test_int8_lookup_and_head_keep_a_q8_0_tables_blocks(smollm_gguf, tmp_path):
+    """quantization="int8" with quantize_embeddings: the lookup and the tied head hold the
+    file's token_embd blocks as stored, not a re-quantization of their dequantized values."""
+    path = write_gguf(smollm_gguf, tmp_path / "small_blocks.gguf", 1,
+                      lambda name, values: "Q8_0" if values.ndim == 2 else "F32", _halve_embedding_values)
+    model = LLM(path, quantization="int8", quantize_embeddings=True, skip_tokenizer_init=True,
+                **SMALL).engine.runner.model
+    assert model.embed_tokens.packed is model.tied_head_packed.data, "one int8 copy for both"
+    values, scales = _file_blocks(gguf.GGUFReader(path), "token_embd.weight")
+    assert np.abs(values).max() <= 64
+    ours = unpack_int8(model.embed_tokens.packed)
+    np.testing.assert_array_equal(np.asarray(ours.values), values)
+    np.testing.assert_array_equal(np.asarray(ours.scales), scales)
+
+
 def test_q8_0_gguf_runs_as_its_dequantized_copy_quantized_by_us(q8_0_gguf, tmp_path, prompt_ids):
     """Q8_0 dequantizes exactly in fp32, and quantize_weight of a dequantized block gives its
     values and scale back when the block's largest |value| is 127, as llama.cpp's quantizer
