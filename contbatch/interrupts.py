@@ -24,7 +24,6 @@ class StepInterrupts:
 
     def __init__(self) -> None:
         self._pending = False
-        self._deferring = False
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
@@ -33,12 +32,10 @@ class StepInterrupts:
         ):
             yield
             return
-        signal.signal(signal.SIGINT, self._handle)
-        self._deferring = True
+        signal.signal(signal.SIGINT, self._handle)  # installed only while a step runs
         try:
             yield
         finally:
-            self._deferring = False
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def raise_pending(self) -> None:
@@ -48,7 +45,7 @@ class StepInterrupts:
             raise KeyboardInterrupt
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self._pending or not self._deferring:
+        if self._pending:  # the second Ctrl-C of this step
             self._pending = False
             raise KeyboardInterrupt
         self._pending = True

@@ -41,9 +41,10 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
                      const std::optional<at::Tensor>& bias);
 // Which int8 kernel runs now ("generic", "avx2", "avx_vnni" or "avx512_vnni").
 std::string int8_kernel_isa();
-// Runs int8 kernel `name` from now on, whatever the tier ("auto" or "": chosen by the tier);
-// ValueError naming the runnable ones for a kernel this CPU or build cannot run.
-void set_int8_kernel(std::string name);
+// Runs int8 kernel `name` from now on, whatever the tier ("auto" or "": chosen by the tier),
+// and returns the setting before ("auto" or a name); ValueError naming the runnable ones for
+// a kernel this CPU or build cannot run.
+std::string set_int8_kernel(std::string name);
 std::vector<std::string> supported_int8_kernels();
 
 // The CPU kernels' ISA tier (csrc/cpu/cpu_isa.h): the one the ops run now, choosing one by

@@ -25,7 +25,7 @@ TORCH_LIBRARY(contbatch, m) {
       "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, Tensor sums, "
       "Tensor? bias) -> ()");
   m.def("int8_kernel_isa() -> str", &contbatch::int8_kernel_isa);
-  m.def("set_int8_kernel(str name) -> ()", &contbatch::set_int8_kernel);
+  m.def("set_int8_kernel(str name) -> str", &contbatch::set_int8_kernel);
   m.def("supported_int8_kernels() -> str[]", &contbatch::supported_int8_kernels);
   m.def("cpu_kernel_isa() -> str", &contbatch::cpu_kernel_isa);
   m.def("set_cpu_isa(str isa) -> ()", &contbatch::set_cpu_isa);

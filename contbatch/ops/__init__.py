@@ -152,16 +152,16 @@ def supported_int8_kernels() -> list[str]:
 
 @contextmanager
 def use_int8_kernel(name: str) -> Iterator[None]:
-    """Runs the block's int8 ops on kernel ``name`` whatever the tier, then goes back to the
-    tier's choice: how tests and benchmarks reach each int8 kernel a CPU has. ValueError for
-    one this CPU or build cannot run."""
+    """Runs the block's int8 ops on kernel ``name`` whatever the tier ("auto": the tier's
+    choice), then restores the setting before: how tests and benchmarks reach each int8
+    kernel a CPU has. ValueError for one this CPU or build cannot run."""
     if _native is None:
         raise ValueError("use_int8_kernel: the C++ extension is not built")
-    _native.set_int8_kernel(name)
+    before = _native.set_int8_kernel(name)
     try:
         yield
     finally:
-        _native.set_int8_kernel("auto")
+        _native.set_int8_kernel(before)
 
 __all__ = [
     "BACKEND",

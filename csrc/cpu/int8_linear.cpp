@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <initializer_list>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -70,19 +72,28 @@ const cpu::Int8Kernels* runnable_int8_kernel(std::string_view name) {
   return nullptr;
 }
 
-const cpu::Int8Kernels* forced_int8_kernel = nullptr;  // set_int8_kernel's choice; nullptr: automatic
+// The first of `names` this CPU and build run, else the portable kernels.
+const cpu::Int8Kernels* best_of(std::initializer_list<std::string_view> names) {
+  for (std::string_view name : names) {
+    if (const cpu::Int8Kernels* kernel = runnable_int8_kernel(name)) return kernel;
+  }
+  return cpu::int8_generic_kernels();
+}
+
+// set_int8_kernel's choice; nullptr: the tier's. Read on every op call, as the tier is.
+std::atomic<const cpu::Int8Kernels*> forced_int8_kernel{nullptr};
 
 // Unless set_int8_kernel chose one: VNNI under either AVX-512 tier where the CPU has it;
 // else AVX-VNNI's 256-bit vpdpbusd where the CPU has it (Intel's AVX2 client CPUs), else
 // AVX2's vpmaddwd kernel, under any tier but the generic one; portable C++ under that.
+// Worked out once per tier, not on each call.
 const cpu::Int8Kernels& active_int8_kernels() {
-  if (forced_int8_kernel != nullptr) return *forced_int8_kernel;
+  if (const cpu::Int8Kernels* forced = forced_int8_kernel.load(std::memory_order_relaxed)) return *forced;
+  static const cpu::Int8Kernels* const for_avx512 = best_of({"avx512_vnni", "avx_vnni", "avx2"});
+  static const cpu::Int8Kernels* const for_avx2 = best_of({"avx_vnni", "avx2"});
   const std::string_view isa = cpu::active_kernels().isa;
   if (isa == "generic") return *cpu::int8_generic_kernels();
-  for (const char* name : {isa.substr(0, 6) == "avx512" ? "avx512_vnni" : "", "avx_vnni", "avx2"}) {
-    if (const cpu::Int8Kernels* kernel = runnable_int8_kernel(name)) return *kernel;
-  }
-  return *cpu::int8_generic_kernels();
+  return isa.substr(0, 6) == "avx512" ? *for_avx512 : *for_avx2;
 }
 
 template <class T>
@@ -199,19 +210,19 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }
 
-void set_int8_kernel(std::string name) {
-  if (name.empty() || name == "auto") {
-    forced_int8_kernel = nullptr;
-    return;
+std::string set_int8_kernel(std::string name) {
+  const cpu::Int8Kernels* kernel = nullptr;
+  if (!name.empty() && name != "auto") {
+    kernel = runnable_int8_kernel(name);
+    if (kernel == nullptr) {
+      std::string runnable;
+      for (const cpu::Int8Kernels* k : runnable_int8_kernels()) runnable += std::string(runnable.empty() ? "" : ", ") + k->name;
+      TORCH_CHECK_VALUE(false, "set_int8_kernel: this CPU or build cannot run the int8 kernel '", name,
+                        "'; it can run: auto, ", runnable);
+    }
   }
-  const cpu::Int8Kernels* kernel = runnable_int8_kernel(name);
-  if (kernel == nullptr) {
-    std::string runnable;
-    for (const cpu::Int8Kernels* k : runnable_int8_kernels()) runnable += std::string(runnable.empty() ? "" : ", ") + k->name;
-    TORCH_CHECK_VALUE(false, "set_int8_kernel: this CPU or build cannot run the int8 kernel '", name,
-                      "'; it can run: auto, ", runnable);
-  }
-  forced_int8_kernel = kernel;
+  const cpu::Int8Kernels* before = forced_int8_kernel.exchange(kernel, std::memory_order_relaxed);
+  return before == nullptr ? "auto" : before->name;
 }
 
 std::vector<std::string> supported_int8_kernels() {

@@ -13,7 +13,7 @@ from torch import nn
 
 from contbatch import LLM, SamplingParams, ops
 from contbatch.ops import int8_blocks
-from tests.ops.paged_batch import isa_params
+from tests.ops.paged_batch import int8_kernel_params, isa_params
 
 # fp32 sums in another order flip some activations' rounding to the neighbouring int8 value:
 # one step is up to 1/254 of its block's largest value, about bf16's rounding step (1/256),
@@ -93,12 +93,10 @@ def test_int8_greedy_tokens_are_fake_quant_hf_argmax(batched, isa, smollm_dir, f
 
 
 @pytest.mark.skipif(ops.BACKEND != "native", reason="the int8 kernels are in the C++ extension")
-@pytest.mark.parametrize("kernel", ops.INT8_KERNELS)
+@pytest.mark.parametrize("kernel", int8_kernel_params())
 def test_int8_greedy_tokens_on_every_int8_kernel(kernel, smollm_dir, fake_quant_hf):
     """Each int8 kernel this CPU has (a tier runs one: AVX-VNNI's hides AVX2's where both run),
     ten requests together, under the best tier."""
-    if kernel not in ops.supported_int8_kernels():
-        pytest.skip(f"this CPU or build cannot run the {kernel} int8 kernel")
     with ops.use_int8_kernel(kernel):
         llm = LLM(smollm_dir, dtype="float32", quantization="int8", max_model_len=256)
         prompt_ids = _prompts(llm, 10)

@@ -27,6 +27,18 @@ def isa_params() -> list:
     ]
 
 
+SUPPORTED_INT8_KERNELS = tuple(ops.supported_int8_kernels())
+
+
+def int8_kernel_params() -> list:
+    """Every int8 kernel as a pytest parameter; those this CPU or build lacks are skipped, saying so."""
+    return [
+        pytest.param(kernel, marks=pytest.mark.skipif(kernel not in SUPPORTED_INT8_KERNELS,
+                                                      reason=f"this CPU or build cannot run the {kernel} int8 kernel"))
+        for kernel in ops.INT8_KERNELS
+    ]
+
+
 def device_params() -> list:
     """"cpu", and "cuda" when torch sees a GPU (else skipped, saying so): the first machine
     with a GPU runs the CUDA kernels against the same references."""

@@ -17,22 +17,12 @@ from hypothesis import given, settings
 from contbatch import ops
 from contbatch.ops import int8_blocks, reference
 from contbatch.ops.int8_blocks import BLOCK, Int8Blocks, pack_int8, quantize_weight, unpack_int8
-from tests.ops.paged_batch import cpu_isa, require_native
+from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, cpu_isa, int8_kernel_params, require_native
 
 require_native()
 
 native = torch.ops.contbatch
 DTYPES = [torch.float32, torch.bfloat16]
-SUPPORTED_KERNELS = ops.supported_int8_kernels()
-
-
-def kernel_params() -> list:
-    """Every int8 kernel as a pytest parameter; those this CPU or build lacks are skipped, saying so."""
-    return [
-        pytest.param(kernel, marks=pytest.mark.skipif(kernel not in SUPPORTED_KERNELS,
-                                                      reason=f"this CPU or build cannot run the {kernel} int8 kernel"))
-        for kernel in ops.INT8_KERNELS
-    ]
 
 
 def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Tensor:
@@ -44,7 +34,7 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
     return out
 
 
-@pytest.mark.parametrize("kernel", kernel_params())
+@pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 20), in_features=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
@@ -59,7 +49,7 @@ def test_quantize_rows_equals_reference(kernel, dtype, rows, in_features, seed):
     assert torch.equal(scales, expected.scales)
 
 
-@pytest.mark.parametrize("kernel", kernel_params())
+@pytest.mark.parametrize("kernel", int8_kernel_params())
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -81,7 +71,7 @@ def test_linear_integer_sums_are_exact(kernel, rows, out_features, blocks, seed)
     assert torch.equal(out, expected.float())
 
 
-@pytest.mark.parametrize("kernel", kernel_params())
+@pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=40, deadline=None)
 @given(
@@ -104,7 +94,7 @@ def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features
     torch.testing.assert_close(ours.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("kernel", kernel_params())
+@pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 47, 48, 49, 101])
 def test_linear_row_tiles_and_tasks(kernel, rows):
     """Row counts around the register tiles (3, 4 rows) and the 48-row task, SmolLM2's width."""
@@ -143,7 +133,7 @@ def test_ops_wrappers_take_the_extension():
 
 
 def _best_of(*kernels: str) -> str:
-    return next(k for k in kernels if k in SUPPORTED_KERNELS)
+    return next(k for k in kernels if k in SUPPORTED_INT8_KERNELS)
 
 
 def test_each_tier_runs_the_best_int8_kernel_the_cpu_has():
@@ -158,6 +148,9 @@ def test_each_tier_runs_the_best_int8_kernel_the_cpu_has():
             assert ops.int8_kernel_isa() == expected[isa], isa
             with ops.use_int8_kernel("generic"):
                 assert ops.int8_kernel_isa() == "generic"
+                with ops.use_int8_kernel("auto"):
+                    assert ops.int8_kernel_isa() == expected[isa]
+                assert ops.int8_kernel_isa() == "generic", "a nested use_int8_kernel did not restore the outer one"
             assert ops.int8_kernel_isa() == expected[isa], "use_int8_kernel did not hand the choice back"
 
 
