@@ -61,6 +61,7 @@ inline void int8_tile(const StagedQuad* staged, const float* x_scale, int64_t bl
       const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes;
       I8Weights w[NV];
       for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
+      for (int v = 0; v < NV; ++v) prefetch_panel_ahead(quad_row + 4 * kLanes * v);
       for (int m = 0; m < MR; ++m) {
         const I8Input input = i8_broadcast(block_quads[q * MR + m]);
         for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);

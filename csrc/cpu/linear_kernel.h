@@ -46,7 +46,9 @@ inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t*
     for (Vec16& a : acc[m]) a = vzero();
   }
   for (int64_t k = 0; k < pairs; ++k) {
-    accumulate_pair_row<MR, kLinearTileVectors>(acc, weights + k * 2 * kPanelColumns, staged + k * MR);
+    const uint16_t* pair_row = weights + k * 2 * kPanelColumns;
+    for (int v = 0; v < kLinearTileVectors; ++v) prefetch_panel_ahead(pair_row + 2 * kLanes * v);
+    accumulate_pair_row<MR, kLinearTileVectors>(acc, pair_row, staged + k * MR);
   }
   store_tile(acc, bias, out, out_stride, columns);
 }

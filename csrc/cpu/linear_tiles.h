@@ -1,6 +1,18 @@
 // Register-tile helpers shared by the linear kernels (linear_kernel.h, int8_linear_kernel.h),
 // written against the tier's Vec16 functions and layers_kernel.h's load1 / store1.
 
+// With few rows a tile does little work per weight byte, and the hardware prefetcher alone
+// left the linear kernels at 40-65% of the bandwidth a streaming read gets (4-8 rows, weights
+// from DRAM). Prefetching the bytes 8 KiB further on in the panel into L1 as each is read
+// made 4-8 rows 30-45% faster on every int8 kernel (AVX-512 VNNI, AVX-VNNI, AVX2) and 25-60%
+// on every bf16 one, one row 5-40%; 1-4 KiB ahead, or into L2 only, was slower, and calls with
+// 64+ rows (panels in L2) no different (Emerald Rapids Xeon, 2026-11-25).
+constexpr int64_t kPanelPrefetchBytes = 8192;
+
+inline void prefetch_panel_ahead(const void* weights) {
+  __builtin_prefetch(static_cast<const char*>(weights) + kPanelPrefetchBytes, 0, 3);
+}
+
 template <int N>
 struct TileRows {
   static constexpr int size = N;
