@@ -24,6 +24,9 @@ TORCH_LIBRARY(contbatch, m) {
   m.def(
       "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, Tensor sums, "
       "Tensor? bias) -> ()");
+  m.def(
+      "int8_quantize_linear(Tensor(a!) out, Tensor input, Tensor values, Tensor scales, Tensor sums, Tensor? bias) "
+      "-> ()");
   m.def("int8_kernel_isa() -> str", &contbatch::int8_kernel_isa);
   m.def("set_int8_kernel(str name) -> str", &contbatch::set_int8_kernel);
   m.def("supported_int8_kernels() -> str[]", &contbatch::supported_int8_kernels);
@@ -45,6 +48,7 @@ TORCH_LIBRARY_IMPL(contbatch, CPU, m) {
   m.impl("bf16_linear", &contbatch::bf16_linear_cpu);
   m.impl("int8_quantize_rows", &contbatch::int8_quantize_rows_cpu);
   m.impl("int8_linear", &contbatch::int8_linear_cpu);
+  m.impl("int8_quantize_linear", &contbatch::int8_quantize_linear_cpu);
 }
 
 PyMODINIT_FUNC PyInit__C() {

@@ -131,6 +131,7 @@ _choose_isa_from_environment()
 bf16_linear = _native.bf16_linear if _native is not None else reference.bf16_linear
 int8_quantize_rows = _native.int8_quantize_rows if _native is not None else reference.int8_quantize_rows
 int8_linear = _native.int8_linear if _native is not None else reference.int8_linear
+int8_quantize_linear = _native.int8_quantize_linear if _native is not None else reference.int8_quantize_linear
 
 
 INT8_KERNELS = ("generic", "avx2", "avx_vnni", "avx512_vnni")
@@ -173,6 +174,7 @@ __all__ = [
     "bf16_linear_available",
     "int8_quantize_rows",
     "int8_linear",
+    "int8_quantize_linear",
     "int8_kernel_isa",
     "INT8_KERNELS",
     "supported_int8_kernels",

@@ -178,3 +178,16 @@ def int8_linear(
     weight = int8_blocks.unpack_int8(packed)
     x = int8_blocks.Int8Blocks(x_values, x_scales, padded)
     out.copy_(int8_blocks.int8_linear_reference(x, weight, bias))
+
+
+def int8_quantize_linear(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    sums: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> None:
+    """int8_quantize_rows, then int8_linear, in one call."""
+    x_values, x_scales = int8_quantize_rows(x)
+    int8_linear(out, x_values, x_scales, values, scales, sums, bias)

@@ -208,6 +208,18 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
   }
 }
 
+void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
+                              const at::Tensor& scales, const at::Tensor& sums, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(input.dim() == 2 && out.dim() == 2 && input.size(0) == out.size(0),
+                    "int8_quantize_linear: input [rows, in_features] and out [rows, out_features] must have the "
+                    "same rows, got ",
+                    input.sizes(), " and ", out.sizes());
+  TORCH_CHECK_TYPE(input.scalar_type() == out.scalar_type(), "int8_quantize_linear: input and out must have one dtype, got ",
+                   dtype_name(input.scalar_type()), " and ", dtype_name(out.scalar_type()));
+  const auto [x_values, x_scales] = int8_quantize_rows_cpu(input);
+  int8_linear_cpu(out, x_values, x_scales, values, scales, sums, bias);
+}
+
 std::string int8_kernel_isa() { return active_int8_kernels().name; }
 
 std::string set_int8_kernel(std::string name) {

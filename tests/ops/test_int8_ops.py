@@ -92,6 +92,14 @@ def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features
     # fp32 sums over blocks in another order; bf16 output: one rounding step more.
     rtol, atol = (2**-7, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5 * in_features)
     torch.testing.assert_close(ours.double(), expected, rtol=rtol, atol=atol)
+    # The fused op the layers call: the same quantization (bit for bit, above) and kernel.
+    packed = pack_int8(weight)
+    fused = torch.full_like(ours, float("nan"))
+    with ops.use_int8_kernel(kernel):
+        native.int8_quantize_linear(fused, x, packed.values, packed.scales, packed.sums, bias)
+    assert torch.equal(fused, ours)
+    reference.int8_quantize_linear(fused, x, packed.values, packed.scales, packed.sums, bias)
+    torch.testing.assert_close(fused.double(), expected, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
@@ -104,6 +112,15 @@ def test_linear_row_tiles_and_tasks(kernel, rows):
     ours = _linear(x, weight, None, torch.float32, kernel)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_linear_refuses_mismatched_rows_and_dtypes():
+    weight = pack_int8(quantize_weight(torch.randn(8, 32)))
+    args = (weight.values, weight.scales, weight.sums, None)
+    with pytest.raises(ValueError, match="same rows"):
+        native.int8_quantize_linear(torch.empty(3, 8), torch.randn(2, 32), *args)
+    with pytest.raises(TypeError, match="one dtype"):
+        native.int8_quantize_linear(torch.empty(2, 8), torch.randn(2, 32, dtype=torch.bfloat16), *args)
 
 
 @settings(max_examples=50, deadline=None)
@@ -130,6 +147,7 @@ def test_weight_round_trip_within_half_a_step(out_features, in_features, seed):
 
 def test_ops_wrappers_take_the_extension():
     assert ops.int8_linear is native.int8_linear and ops.int8_quantize_rows is native.int8_quantize_rows
+    assert ops.int8_quantize_linear is native.int8_quantize_linear
 
 
 def _best_of(*kernels: str) -> str:
