@@ -1,17 +1,22 @@
 """Times the bf16 linear layers of one SmolLM2-135M step: contbatch's panel kernel against
-oneDNN's packed linear (what contbatch used before) and plain ``F.linear``.
+oneDNN's packed linear (what contbatch used before) and plain ``F.linear``; with ``--int8``,
+the same weights in 8-bit blocks too (``LLM(quantization="int8")``'s layers).
 
 One "step" is the model's 121 projections (fused QKV, O, fused gate-up and down for 30
-layers, then the tied LM head), 269 MB of weights, so they stream from DRAM as in a real
-decode step, for 1 to 720 input rows. Reports milliseconds per step, the weight bytes read
-per second and the matmul rate. The panel kernel runs on the active ISA tier
-(CONTBATCH_CPU_ISA picks one); oneDNN's bf16 linear only exists on AVX-512 and
-AVX-NE-CONVERT CPUs.
+layers, then the tied LM head), 269 MB of weights in bf16 (151 MB in int8), so they stream
+from memory as in a real decode step (a CPU whose L3 holds more than that serves part of
+them from L3, as it does in the model; ``--copies N`` runs N copies of the step back to back
+so that none can stay there), for 1 to 720 input rows. Reports milliseconds per
+step, the weight bytes read per second and the matmul rate. The panel kernel runs on the
+active ISA tier (CONTBATCH_CPU_ISA picks one), the int8 one on the tier's int8 kernel
+(``--int8-kernel`` picks another); oneDNN's bf16 linear only exists on AVX-512 and
+AVX-NE-CONVERT CPUs. ``--update-docs`` rewrites this kind of CPU's section.
 
-    python benchmarks/linear.py [--rows 1,4,...] [--update-docs]
+    python benchmarks/linear.py [--rows 1,4,...] [--int8 [--int8-kernel avx2]] [--update-docs]
 """
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -19,10 +24,18 @@ import torch
 import torch.nn.functional as F
 
 from contbatch import ops
-from contbatch.layers.linear import PackedWeight, onednn_can_pack, onednn_packed, packed_linear, panel_packed
+from contbatch.layers.linear import (
+    PackedWeight,
+    int8_packed,
+    onednn_can_pack,
+    onednn_packed,
+    packed_linear,
+    panel_packed,
+)
+from contbatch.ops.int8_blocks import quantize_weight
 
 from _report import replace_marked
-from _machine import cpu_description
+from _machine import cpu_description, cpu_kind
 from _roofline import copy_bandwidth, fastest
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
@@ -35,15 +48,26 @@ def step_shapes() -> list[tuple[int, int]]:
     return layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
+def packed_bytes(packed: PackedWeight) -> int:
+    data = packed.data
+    tensors = (data.values, data.scales, data.sums) if packed.layout == "int8" else (data,)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def int8_weight(weight: torch.Tensor) -> PackedWeight:
+    return int8_packed(quantize_weight(weight.float()))
+
+
 def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], PackedWeight]):
-    """The engine's call (``packed_linear``) on the weights packed by ``pack``."""
+    """The engine's call (``packed_linear``) on the weights packed by ``pack``, and the bytes
+    they take."""
     packed = [(w.shape[1], pack(w)) for w in weights]
 
     def run(inputs: dict[int, torch.Tensor]) -> None:
         for in_features, p in packed:
             packed_linear(inputs[in_features], p, None)
 
-    return run
+    return run, sum(packed_bytes(p) for _, p in packed)
 
 
 def plain_step(weights: list[torch.Tensor]):
@@ -51,58 +75,77 @@ def plain_step(weights: list[torch.Tensor]):
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    return run
+    return run, sum(w.numel() * w.element_size() for w in weights)
 
 
-def markdown(results: dict[str, dict[int, float]], weight_bytes: int, copy_gbs: float) -> str:
+def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], params: int, copy_gbs: float,
+             int8_kernel: str | None, copies: int) -> str:
     names = list(results)
+    copies_note = f" ({copies} copies of them, run one after another, times per copy)" if copies > 1 else ""
+    int8_note = (f" `int8`: the same weights in 8-bit blocks ({step_bytes['int8'] / 1e6:.0f} MB with their "
+                 f"scales and sums) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
     lines = [
-        f"One step = SmolLM2-135M's 121 bf16 projections, {weight_bytes / 1e6:.0f} MB of weights. "
+        f"One step = SmolLM2-135M's 121 bf16 projections{copies_note}, {step_bytes[names[0]] / 1e6:.0f} MB of weights."
+        f"{int8_note} "
         f"Copy bandwidth {copy_gbs:.1f} GB/s (read + write). torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, CPU: {cpu_description()}. "
         "Times: fastest of 4 steps.",
         "",
-        "| rows | " + " | ".join(f"{n} ms (GB/s, GFLOP/s)" for n in names) + " | panels vs oneDNN |",
-        "| ---: | " + " | ".join("---:" for _ in names) + " | ---: |",
+    ]
+    # (column, faster, slower): how many times faster the first system ran, where both ran.
+    ratios = [(f"{a} vs {b}", a, b) for a, b in (("panels", "onednn"), ("int8", "panels")) if a in results and b in results]
+    lines += [
+        "| rows | " + " | ".join([f"{n} ms (GB/s, GFLOP/s)" for n in names] + [r[0] for r in ratios]) + " |",
+        "| ---: | " + " | ".join("---:" for _ in names + ratios) + " |",
     ]
     for rows in results[names[0]]:
         cells = []
         for name in names:
-            seconds = results[name][rows]
-            # bf16: 2 bytes and, per input row, 2 FLOPs per weight, so FLOPs = bytes x rows.
-            gbs, gflops = weight_bytes / seconds / 1e9, weight_bytes * rows / seconds / 1e9
+            seconds = results[name][rows] / copies
+            gbs, gflops = step_bytes[name] / seconds / 1e9, 2 * params * rows / seconds / 1e9
             cells.append(f"{seconds * 1e3:.1f} ({gbs:.1f}, {gflops:.0f})")
-        both = "panels" in results and "onednn" in results
-        ratio = results["onednn"][rows] / results["panels"][rows] if both else float("nan")
-        lines.append(f"| {rows} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        cells += [f"{results[slower][rows] / results[faster][rows]:.2f}x" for _, faster, slower in ratios]
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated input row counts")
-    parser.add_argument("--update-docs", action="store_true", help="rewrite the linear section of docs/performance.md")
+    parser.add_argument("--copies", type=int, default=1, help="copies of the step's weights, run one after another")
+    parser.add_argument("--int8", action="store_true", help="add the weights in 8-bit blocks (LLM(quantization='int8'))")
+    parser.add_argument("--int8-kernel", default="auto", help="the int8 kernel to run (ops.INT8_KERNELS; auto: the tier's)")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite this CPU's linear section of docs/performance.md")
     args = parser.parse_args()
     torch.manual_seed(0)
-    weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in step_shapes()]
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in step_shapes() * args.copies]
     steps = {"F.linear": plain_step(weights)}
     if onednn_can_pack(weights[0]):  # oneDNN has bf16 on AVX-512 and AVX-NE-CONVERT CPUs only
         steps = {"onednn": packed_step(weights, onednn_packed), **steps}
     if ops.bf16_linear_available():
         steps = {"panels": packed_step(weights, panel_packed), **steps}
+    int8_kernel = None
+    if args.int8:
+        steps["int8"] = packed_step(weights, int8_weight)
+        with ops.use_int8_kernel(args.int8_kernel):
+            int8_kernel = ops.int8_kernel_isa()
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}
-    for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
-        for name, step in steps.items():
-            results[name][rows] = fastest(lambda step=step: step(inputs), reps=4)
-        print(rows, {name: f"{r[rows] * 1e3:.1f} ms" for name, r in results.items()}, flush=True)
-    table = markdown(results, weight_bytes, copy_gbs)
+    with ops.use_int8_kernel(args.int8_kernel) if args.int8 else contextlib.nullcontext():
+        for rows in (int(r) for r in args.rows.split(",")):
+            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+            for name, (step, _) in steps.items():
+                results[name][rows] = fastest(lambda step=step: step(inputs), reps=4)
+            print(rows, {name: f"{r[rows] * 1e3:.1f} ms" for name, r in results.items()}, flush=True)
+    params = sum(w.numel() for w in weights) // args.copies
+    step_bytes = {name: nbytes // args.copies for name, (_, nbytes) in steps.items()}
+    table = markdown(results, step_bytes, params, copy_gbs, int8_kernel, args.copies)
     print(table)
     if args.update_docs:
-        replace_marked("linear", f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with "
-                       f"`python benchmarks/linear.py --update-docs`.\n\n{table}")
+        command = "python benchmarks/linear.py" + (f" --copies {args.copies}" if args.copies > 1 else "") + (
+            " --int8" if args.int8 else "") + (
+            f" --int8-kernel {args.int8_kernel}" if args.int8_kernel != "auto" else "") + " --update-docs"
+        replace_marked(f"linear-{cpu_kind()}", f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`.\n\n{table}")
 
 
 if __name__ == "__main__":
