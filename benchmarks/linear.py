@@ -93,7 +93,8 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
         "",
     ]
     # (column, faster, slower): how many times faster the first system ran, where both ran.
-    ratios = [(f"{a} vs {b}", a, b) for a, b in (("panels", "onednn"), ("int8", "panels")) if a in results and b in results]
+    pairs = (("panels", "onednn"), ("int8", "panels"))
+    ratios = [(f"{a} vs {b}", a, b) for a, b in pairs if a in results and b in results]
     lines += [
         "| rows | " + " | ".join([f"{n} ms (GB/s, GFLOP/s)" for n in names] + [r[0] for r in ratios]) + " |",
         "| ---: | " + " | ".join("---:" for _ in names + ratios) + " |",
@@ -113,9 +114,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated input row counts")
     parser.add_argument("--copies", type=int, default=1, help="copies of the step's weights, run one after another")
-    parser.add_argument("--int8", action="store_true", help="add the weights in 8-bit blocks (LLM(quantization='int8'))")
-    parser.add_argument("--int8-kernel", default="auto", help="the int8 kernel to run (ops.INT8_KERNELS; auto: the tier's)")
-    parser.add_argument("--update-docs", action="store_true", help="rewrite this CPU's linear section of docs/performance.md")
+    parser.add_argument("--int8", action="store_true",
+                        help="add the weights in 8-bit blocks (LLM(quantization='int8'))")
+    parser.add_argument("--int8-kernel", default="auto",
+                        help="the int8 kernel to run (ops.INT8_KERNELS; auto: the tier's)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="rewrite this CPU's linear section of docs/performance.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.05).to(torch.bfloat16) for n, k in step_shapes() * args.copies]
@@ -145,7 +149,8 @@ def main() -> None:
         command = "python benchmarks/linear.py" + (f" --copies {args.copies}" if args.copies > 1 else "") + (
             " --int8" if args.int8 else "") + (
             f" --int8-kernel {args.int8_kernel}" if args.int8_kernel != "auto" else "") + " --update-docs"
-        replace_marked(f"linear-{cpu_kind()}", f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`.\n\n{table}")
+        measured = f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`."
+        replace_marked(f"linear-{cpu_kind()}", f"{measured}\n\n{table}")
 
 
 if __name__ == "__main__":
