@@ -48,10 +48,13 @@ def step_shapes() -> list[tuple[int, int]]:
     return layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def packed_bytes(packed: PackedWeight) -> int:
     data = packed.data
-    tensors = (data.values, data.scales, data.sums) if packed.layout == "int8" else (data,)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return tensor_bytes((data.values, data.scales, data.sums) if packed.layout == "int8" else (data,))
 
 
 def int8_weight(weight: torch.Tensor) -> PackedWeight:
@@ -75,7 +78,7 @@ def plain_step(weights: list[torch.Tensor]):
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    return run, sum(w.numel() * w.element_size() for w in weights)
+    return run, tensor_bytes(weights)
 
 
 def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], params: int, copy_gbs: float,
@@ -128,14 +131,12 @@ def main() -> None:
         steps = {"onednn": packed_step(weights, onednn_packed), **steps}
     if ops.bf16_linear_available():
         steps = {"panels": packed_step(weights, panel_packed), **steps}
-    int8_kernel = None
     if args.int8:
         steps["int8"] = packed_step(weights, int8_weight)
-        with ops.use_int8_kernel(args.int8_kernel):
-            int8_kernel = ops.int8_kernel_isa()
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}
     with ops.use_int8_kernel(args.int8_kernel) if args.int8 else contextlib.nullcontext():
+        int8_kernel = ops.int8_kernel_isa() if args.int8 else None
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
             for name, (step, _) in steps.items():

@@ -214,8 +214,9 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                     "int8_quantize_linear: input [rows, in_features] and out [rows, out_features] must have the "
                     "same rows, got ",
                     input.sizes(), " and ", out.sizes());
-  TORCH_CHECK_TYPE(input.scalar_type() == out.scalar_type(), "int8_quantize_linear: input and out must have one dtype, got ",
-                   dtype_name(input.scalar_type()), " and ", dtype_name(out.scalar_type()));
+  TORCH_CHECK_TYPE(input.scalar_type() == out.scalar_type(),
+                   "int8_quantize_linear: input and out must have one dtype, got ", dtype_name(input.scalar_type()),
+                   " and ", dtype_name(out.scalar_type()));
   const auto [x_values, x_scales] = int8_quantize_rows_cpu(input);
   int8_linear_cpu(out, x_values, x_scales, values, scales, sums, bias);
 }
