@@ -43,7 +43,10 @@ class RotaryEmbedding:
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place
         (their first rotary_dim dims: the kernels take the strided views as they are)."""
-        ops.rotary_embedding(positions, q[..., : self.rotary_dim], k[..., : self.rotary_dim], self.cos, self.sin)
+        if self.rotary_dim == q.shape[-1]:  # whole heads rotate: no slicing (~3 us a layer)
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+        else:
+            ops.rotary_embedding(positions, q[..., : self.rotary_dim], k[..., : self.rotary_dim], self.cos, self.sin)
         return q, k
 
 
