@@ -107,3 +107,23 @@ def test_a_failed_system_is_a_row_saying_so():
 
     row = _system_row("hf_static", {"error": "exit code 1: boom"}, 256)  # its label needs a batch size
     assert row.startswith("| hf_static | failed: see the run's JSON |")
+
+
+def test_int8_details_compare_small_batch_decode_steps():
+    from _report import _int8_details
+
+    fields = ["batch", "tokens", "sampled", "context_sum", "kv_blocks_used", "step_s", "model_s"]
+
+    def result(prefill_s: float, one_s: float, four_s: float, big_s: float, **extra) -> dict:
+        steps = [[4, 300, 4, 300, 20, prefill_s, prefill_s],  # a prefill step: not a decode step
+                 [1, 1, 1, 90, 20, one_s, one_s],
+                 [4, 4, 4, 400, 20, four_s, four_s],
+                 [9, 9, 9, 900, 20, big_s, big_s]]  # 9 running: outside 1-8
+        return {"step_fields": fields, "step_samples": steps, "wall_s": 10.0, **extra}
+
+    agreement = {"requests_identical": 0.5, "requests": 2, "tokens_before_divergence": 0.5}
+    int8 = result(9.0, 0.006, 0.012, 1.0, agreement_with_contbatch=agreement)
+    unquantized = result(1.0, 0.010, 0.020, 0.001)
+    line = _int8_details(int8, unquantized)
+    assert "1 running 6.0 against 10.0 ms (0.60x)" in line
+    assert "1-8 running 9.0 against 15.0 ms (0.60x)" in line
