@@ -1,5 +1,6 @@
 """EngineConfig: every engine knob in one validated dataclass."""
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ _DTYPES = {
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATIONS = (None, "int8")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,14 @@ class EngineConfig:
         return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings)
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" picks CUDA when a GPU is visible, else the CPU."""
+def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> torch.device:
+    """"auto" picks CUDA when a GPU is visible, else the CPU. ``cpu_only`` names a setting
+    that runs on the CPU only (int8 quantization): "auto" then picks the CPU, saying why
+    when a GPU is visible, and an explicit CUDA device is refused, naming the setting."""
     if device == "auto":
+        if cpu_only is not None and torch.cuda.is_available():
+            logger.warning("device='auto' chose the CPU though a GPU is visible: %s runs on the CPU only", cpu_only)
+            return torch.device("cpu")
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
@@ -111,6 +119,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but no CUDA GPU is available to this torch build")
+    if resolved.type == "cuda" and cpu_only is not None:
+        raise ValueError(f"device={device!r}: {cpu_only} runs on the CPU only (its kernels have no CUDA "
+                         "version); use device='cpu' or 'auto'")
     return resolved
 
 

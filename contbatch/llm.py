@@ -51,7 +51,8 @@ class LLM:
             stored; other tensor types (Q4_K, F16, ...) load dequantized into ``dtype``.
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
-        device: "auto", "cpu" or "cuda".
+        device: "auto", "cpu" or "cuda". "auto" is the GPU when torch sees one, except with
+            ``quantization``, which runs on the CPU only (an explicit "cuda" is refused then).
         max_num_seqs: most requests decoded together in one step.
         max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
         max_model_len: longest prompt + completion; default: the model's context length.
@@ -115,11 +116,9 @@ class LLM:
         )
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory or GGUF file, got {type(model).__name__}")
-        resolved_device = resolve_device(device)
+        resolved_device = resolve_device(device, None if quantization is None else f"quantization={quantization!r}")
         config.block_size = resolve_block_size(config.block_size, resolved_device)
         self.dtype = resolve_dtype(dtype, resolved_device)
-        if quantization is not None and resolved_device.type != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU only; its kernels have no CUDA version")
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(
             self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params

@@ -5,8 +5,10 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from contbatch import LLM, GenerationInterrupted, SamplingParams
+from contbatch.config import resolve_device
 from contbatch.engine.scheduler import Scheduler
 from tests.conftest import TINY_VOCAB
 
@@ -173,6 +175,20 @@ def test_a_raising_generator_keeps_the_finished_outputs(llm):
 def test_bad_engine_arguments(tiny_model_dirs, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, **kwargs)
+
+
+def test_int8_on_a_machine_with_a_gpu_runs_on_the_cpu_unless_cuda_is_asked_for(tiny_model_dirs, monkeypatch):
+    """int8 kernels are CPU only: on a GPU machine "auto" must pick the CPU, not refuse (as
+    it did on the first GPU machine the suite ran on), and an explicit "cuda" is refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("auto", cpu_only="quantization='int8'") == torch.device("cpu")
+    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU only"):
+        resolve_device("cuda", cpu_only="quantization='int8'")
+    llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, quantization="int8", dtype="float32")
+    assert llm.engine.runner.device == torch.device("cpu")
+    out = llm.generate([[5, 7, 9]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_missing_model_directory(tmp_path):
