@@ -230,16 +230,20 @@ class HFOracle:
 
 
 def assert_greedy_match(oracle: HFOracle, prompt: list[int], ours: list[int], theirs: list[int], tol: float) -> None:
-    """Token-exact equality, unless the first difference is a proven floating-point near-tie:
-    there, HF's logits for the two candidate tokens must differ by less than ``tol``."""
+    """Token-exact equality with HF's ``generate()``, unless at the first difference our token
+    is what HF's own forward pass over the same tokens picks, up to a floating-point near-tie:
+    its logit there within ``tol`` of HF's largest. The forward pass is the reference because
+    ``generate()`` with its KV cache can disagree with it (transformers 5.17 did on a Phi-3
+    LongRoPE model once the sequence crossed the original context, by logit gaps of 4-11)."""
     if ours == theirs:
         return
     common = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     if common == min(len(ours), len(theirs)):
         raise AssertionError(f"lengths differ: ours {len(ours)} tokens, HF {len(theirs)}; ours={ours} HF={theirs}")
     logits = oracle.next_token_logits(prompt + ours[:common])
-    gap = float(logits[theirs[common]] - logits[ours[common]])
-    assert abs(gap) < tol, (
-        f"diverged at step {common}: ours {ours[common]} vs HF {theirs[common]}, logit gap {gap:.3g} >= {tol} "
-        f"(not a near-tie)\nours={ours}\nHF  ={theirs}"
+    shortfall = float(logits.max() - logits[ours[common]])
+    assert shortfall < tol, (
+        f"diverged at step {common}: ours {ours[common]} vs HF {theirs[common]}; HF's forward pass rates ours "
+        f"{shortfall:.3g} below its best token {int(logits.argmax())} (>= {tol}: not a near-tie)"
+        f"\nours={ours}\nHF  ={theirs}"
     )
