@@ -34,11 +34,12 @@ def cpu_description() -> str:
 
 
 # (vendor, family, model) of the CPU kinds this project's machines come in.
-_KNOWN_KINDS = {("AuthenticAMD", "25", "17"): "zen4", ("AuthenticAMD", "25", "1"): "zen3"}
+_KNOWN_KINDS = {("AuthenticAMD", "25", "17"): "zen4", ("AuthenticAMD", "25", "1"): "zen3",
+                ("AuthenticAMD", "26", "2"): "zen5"}
 
 
 def cpu_kind() -> str:
-    """Which kind of CPU a result belongs to: "zen4", "zen3", else "<vendor>-<family>-<model>";
+    """Which kind of CPU a result belongs to: "zen4", "zen3", "zen5", else "<vendor>-<family>-<model>";
     with "-<tier>" added when CONTBATCH_CPU_ISA forced a tier other than "auto"'s. Each
     kind has its own sections in docs/performance.md."""
     fields = _cpuinfo()
