@@ -47,12 +47,8 @@ class _FirstTokenTimer(BaseStreamer):
         pass
 
 
-@torch.inference_mode()
-def _generate(model, batch: list, pad_token_id: int) -> tuple[int, float]:
-    """Greedy generate() over left-padded prompts, each run to the batch's largest max_tokens.
-
-    Returns the number of tokens generated per row and the first token's time.
-    """
+def left_padded(batch: list, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's prompts as generate() takes them: input ids padded on the left, and their attention mask."""
     width = max(len(r.prompt_token_ids) for r in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.int64)
@@ -60,6 +56,17 @@ def _generate(model, batch: list, pad_token_id: int) -> tuple[int, float]:
         n = len(request.prompt_token_ids)
         input_ids[row, width - n :] = torch.tensor(request.prompt_token_ids)
         attention_mask[row, width - n :] = 1
+    return input_ids, attention_mask
+
+
+@torch.inference_mode()
+def _generate(model, batch: list, pad_token_id: int) -> tuple[int, float]:
+    """Greedy generate() over left-padded prompts, each run to the batch's largest max_tokens.
+
+    Returns the number of tokens generated per row and the first token's time.
+    """
+    input_ids, attention_mask = left_padded(batch, pad_token_id)
+    width = input_ids.shape[1]
     max_tokens = max(r.max_tokens for r in batch)
     timer = _FirstTokenTimer(width)
     config = GenerationConfig(

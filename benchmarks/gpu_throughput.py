@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from _hf_systems import left_padded
 from _results import greedy_agreement, summarize
 from _workloads import load_workload
 
@@ -74,13 +75,8 @@ def run_hf(model_dir: Path, requests: list, batch_size: int, device: str) -> dic
 @torch.inference_mode()
 def _hf_batch(model, batch: list, pad: int) -> list[list[int]]:
     """Each request's generated ids (cut at its max_tokens) from one left-padded generate()."""
-    width = max(len(r.prompt_token_ids) for r in batch)
-    input_ids = torch.full((len(batch), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(input_ids)
-    for row, request in enumerate(batch):
-        n = len(request.prompt_token_ids)
-        input_ids[row, width - n :] = torch.tensor(request.prompt_token_ids)
-        mask[row, width - n :] = 1
+    input_ids, mask = left_padded(batch, pad)
+    width = input_ids.shape[1]
     longest = max(r.max_tokens for r in batch)
     config = GenerationConfig(do_sample=False, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
