@@ -2,6 +2,8 @@
 // once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
 //   StagedQuad stage_quad(const int8_t*)  one row's 4 inputs in the form the tier broadcasts
 //   I8Input i8_broadcast(StagedQuad)      that quad in every lane
+//   I8Input i8_input(const int8_t*)       a row's quad in every lane, as staging would give it
+//   kI8InputsFromRows                     whether the kernel uses i8_input (no staging pass)
 //   I8Acc i8_start(const int16_t* sums)   16 columns' int32 accumulators at a block's start
 //   I8Weights i8_load(const int8_t*)      16 columns x 4 inputs of a quad row (and, on tiers
 //                                         that define CONTBATCH_I8_WIDENS, from int16 too)
@@ -11,10 +13,11 @@
 //   i8_store_rounded(int8_t*, Vec16)      16 values rounded half to even into int8
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
-// A row tile of kI8TileRows rows stages its input quads, then runs over the panel in column
-// tiles of kI8TileVectors x 16: per block, each quad row of weights loaded once feeds every
-// row of the tile, the block's int32 sums become fp32 once (times the two scales), and the
-// fp32 sums over blocks are rounded to the output type once.
+// A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16,
+// its input quads broadcast from the rows (kI8InputsFromRows: i8_input) or staged first:
+// per block, each quad row of weights loaded once feeds every row of the tile, the block's
+// int32 sums become fp32 once (times the two scales), and the fp32 sums over blocks are
+// rounded to the output type once.
 //
 // Tiers whose int8 products need int16 operands (CONTBATCH_I8_WIDENS: AVX2's vpmaddwd) widen
 // the whole panel to int16 once per call when it has kI8WidenFromRows rows or more, so the
@@ -38,9 +41,10 @@ inline void stage_quads(StagedQuad* staged, float* x_scale, const int8_t* x, int
 }
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (int8, or widened
-// to int16), its scales and sums at `scales`, `sums`.
-template <int MR, class T, class W>
-inline void int8_tile(const StagedQuad* staged, const float* x_scale, int64_t blocks, const W* values,
+// to int16), its scales and sums at `scales`, `sums`; input_at(quad, m) is row m's quad as
+// i8_broadcast gives it, x_scale_at(block, m) its block scale.
+template <int MR, class T, class W, class InputAt, class ScaleAt>
+inline void int8_tile(const InputAt& input_at, const ScaleAt& x_scale_at, int64_t blocks, const W* values,
                       const uint16_t* scales, const int16_t* sums, const T* bias, T* out, int64_t out_stride,
                       int64_t columns) {
   constexpr int NV = kI8TileVectors;
@@ -54,7 +58,6 @@ inline void int8_tile(const StagedQuad* staged, const float* x_scale, int64_t bl
       const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * v);
       for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
     }
-    const StagedQuad* block_quads = staged + b * kInt8Quads * MR;
     // Not unrolled: GCC would reassociate the unrolled integer sums and spill the products.
 #pragma GCC unroll 1
     for (int q = 0; q < kInt8Quads; ++q) {
@@ -63,14 +66,14 @@ inline void int8_tile(const StagedQuad* staged, const float* x_scale, int64_t bl
       for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
       for (int v = 0; v < NV; ++v) prefetch_panel_ahead(quad_row + 4 * kLanes * v);
       for (int m = 0; m < MR; ++m) {
-        const I8Input input = i8_broadcast(block_quads[q * MR + m]);
+        const I8Input input = input_at(b * kInt8Quads + q, m);
         for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);
       }
     }
     for (int v = 0; v < NV; ++v) {
       const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * v);
       for (int m = 0; m < MR; ++m) {
-        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scale[b * MR + m])), acc[m][v]);
+        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scale_at(b, m))), acc[m][v]);
       }
     }
   }
@@ -83,11 +86,21 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, in
                     int64_t out_stride, int64_t columns, StagedQuad* staged, float* x_scale) {
   for_row_tiles<kI8TileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
+    const auto run_tiles = [&](const auto& input_at, const auto& x_scale_at) {
+      for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
+        int8_tile<MR>(input_at, x_scale_at, blocks, values + 4 * c0, scales + c0, sums + c0,
+                      bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
+      });
+    };
+    if constexpr (kI8InputsFromRows) {  // no staging pass per panel (see the tier's section)
+      const int8_t* tile_x = x + r * x_stride;
+      const float* tile_scales = x_scales + r * blocks;
+      return run_tiles([&](int64_t quad, int m) { return i8_input(tile_x + m * x_stride + 4 * quad); },
+                       [&](int64_t block, int m) { return tile_scales[m * blocks + block]; });
+    }
     stage_quads<MR>(staged, x_scale, x + r * x_stride, x_stride, x_scales + r * blocks, blocks);
-    for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
-      int8_tile<MR>(staged, x_scale, blocks, values + 4 * c0, scales + c0, sums + c0,
-                    bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
-    });
+    run_tiles([&](int64_t quad, int m) { return i8_broadcast(staged[quad * MR + m]); },
+              [&](int64_t block, int m) { return x_scale[block * MR + m]; });
   });
 }
 

@@ -4,10 +4,11 @@
 // (load1 / store1) and linear_tiles.h. Products of bf16 are exact and sums are fp32; the result is rounded to
 // bf16 once, after the bias.
 //
-// A row tile of kLinearTileRows rows first stages its inputs (stage_pair: the raw bits of
-// each input pair, or the pair widened to fp32), then runs over the panel's columns in tiles
-// of kLinearTileVectors vectors: each weight load feeds kLinearTileRows dot products, and
-// the accumulators, weight vectors and a broadcast input fit the tier's registers.
+// A row tile of kLinearTileRows rows runs over the panel's columns in tiles of
+// kLinearTileVectors vectors: each weight load feeds kLinearTileRows dot products, and the
+// accumulators, weight vectors and a broadcast input fit the tier's registers. Its input
+// pairs are broadcast from the rows as they are where the tier multiplies bf16 pairs
+// (kPairsBroadcastAsStored), else staged first (stage_pair: the pair widened to fp32).
 //
 // Tiers without bf16 dot products (CONTBATCH_WIDENS_PANELS) widen the whole panel to fp32
 // first when a call has kWidenFromRows rows or more: every weight is then widened once per call instead
@@ -36,10 +37,10 @@ inline void stage_rows(StagedPair* staged, const uint16_t* x, int64_t x_stride, 
   }
 }
 
-// out[MR, columns] from the staged rows and the panel's pair rows starting at `weights`
-// (the tile's first column).
-template <int MR>
-inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t* weights, const uint16_t* bias,
+// out[MR, columns] from the rows' input pairs (pair_at(k, m): row m's pair k, as staged)
+// and the panel's pair rows starting at `weights` (the tile's first column).
+template <int MR, class PairAt>
+inline void linear_tile(const PairAt& pair_at, int64_t pairs, const uint16_t* weights, const uint16_t* bias,
                         uint16_t* out, int64_t out_stride, int64_t columns) {
   Vec16 acc[MR][kLinearTileVectors];
   for (int m = 0; m < MR; ++m) {
@@ -48,23 +49,34 @@ inline void linear_tile(const StagedPair* staged, int64_t pairs, const uint16_t*
   for (int64_t k = 0; k < pairs; ++k) {
     const uint16_t* pair_row = weights + k * 2 * kPanelColumns;
     for (int v = 0; v < kLinearTileVectors; ++v) prefetch_panel_ahead(pair_row + 2 * kLanes * v);
-    accumulate_pair_row<MR, kLinearTileVectors>(acc, pair_row, staged + k * MR);
+    accumulate_pair_row<MR, kLinearTileVectors>(acc, pair_row, [&](int m) { return pair_at(k, m); });
   }
   store_tile(acc, bias, out, out_stride, columns);
 }
 
-// The column tiles of one panel, one tile of `tile` rows, inputs staged by stage_rows.
+// The column tiles of one panel, one tile of `tile` rows. Where staging would change
+// nothing (kPairsBroadcastAsStored) and every pair is whole, the pairs are broadcast from the
+// rows where they are: staging a tile's rows again for every panel took about a fifth of a
+// 256-row call (Zen 5). Otherwise the inputs are staged by stage_rows.
 template <class Tile>
 inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_features, const uint16_t* panel,
                             const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns,
                             StagedPair* staged) {
   constexpr int MR = Tile::size;
-  stage_rows<MR>(staged, x, x_stride, in_features);
   const int64_t pairs = (in_features + 1) / 2;
-  for_column_tiles<kTileColumns>(columns, [&](int64_t c0, int64_t width) {
-    linear_tile<MR>(staged, pairs, panel + 2 * c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride,
-                    width);
-  });
+  const auto run_tiles = [&](const auto& pair_at) {
+    for_column_tiles<kTileColumns>(columns, [&](int64_t c0, int64_t width) {
+      linear_tile<MR>(pair_at, pairs, panel + 2 * c0, bias == nullptr ? nullptr : bias + c0, out + c0, out_stride,
+                      width);
+    });
+  };
+  if constexpr (kPairsBroadcastAsStored) {
+    if (in_features % 2 == 0) {
+      return run_tiles([&](int64_t k, int m) { return stage_pair(load_pair_bits(x + m * x_stride + 2 * k)); });
+    }
+  }
+  stage_rows<MR>(staged, x, x_stride, in_features);
+  run_tiles([&](int64_t k, int m) { return staged[k * MR + m]; });
 }
 
 #ifdef CONTBATCH_WIDENS_PANELS

@@ -103,14 +103,16 @@ constexpr int kLinearTileVectors = 4;
 // (w[2i], w[2i + 1]); vdpbf16ps adds w[2i] * x.even + w[2i + 1] * x.odd to lane i.
 using StagedPair = uint32_t;  // the pair's bits, broadcast as they are
 inline StagedPair stage_pair(uint32_t bits) { return bits; }
+// Staging changes nothing here, so the linear kernel broadcasts pairs from the input rows.
+constexpr bool kPairsBroadcastAsStored = true;
 
-// acc[m][v] += the pair row w's columns 16v.. times row m's pair x[m], by vdpbf16ps.
-template <int MR, int NV>
-inline void accumulate_pair_row(Vec16 (&acc)[MR][NV], const uint16_t* w, const StagedPair* x) {
+// acc[m][v] += the pair row w's columns 16v.. times row m's pair x(m), by vdpbf16ps.
+template <int MR, int NV, class PairOfRow>
+inline void accumulate_pair_row(Vec16 (&acc)[MR][NV], const uint16_t* w, const PairOfRow& x) {
   __m512bh weights[NV];
   for (int v = 0; v < NV; ++v) weights[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 2 * kLanes * v));
   for (int m = 0; m < MR; ++m) {
-    const __m512bh input = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x[m])));
+    const __m512bh input = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x(m))));
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], weights[v], input);
   }
 }

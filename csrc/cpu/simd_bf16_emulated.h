@@ -25,21 +25,22 @@ inline float bf16_bits_to_float(uint32_t high_bits) {  // the bf16 in bits 16-31
 inline StagedPair stage_pair(uint32_t bits) {
   return {bf16_bits_to_float(bits << 16), bf16_bits_to_float(bits & 0xFFFF0000u)};
 }
+constexpr bool kPairsBroadcastAsStored = false;
 
-// acc[m][v] += the pair row w's columns 16v.. times row m's staged pair x[m]: the odd
+// acc[m][v] += the pair row w's columns 16v.. times row m's staged pair x(m): the odd
 // inputs for all MR rows first, then the even ones, so that only NV widened weight vectors
 // are live beside the MR x NV accumulators (vload_odd / vload_even: the tier's widening loads).
-template <int MR, int NV>
-inline void accumulate_pair_row(Vec16 (&acc)[MR][NV], const uint16_t* w, const StagedPair* x) {
+template <int MR, int NV, class PairOfRow>
+inline void accumulate_pair_row(Vec16 (&acc)[MR][NV], const uint16_t* w, const PairOfRow& x) {
   Vec16 weights[NV];
   for (int v = 0; v < NV; ++v) weights[v] = vload_odd(w + 2 * kLanes * v);
   for (int m = 0; m < MR; ++m) {
-    const Vec16 input = vset1(x[m].odd);
+    const Vec16 input = vset1(x(m).odd);
     for (int v = 0; v < NV; ++v) acc[m][v] = vfma(weights[v], input, acc[m][v]);
   }
   for (int v = 0; v < NV; ++v) weights[v] = vload_even(w + 2 * kLanes * v);
   for (int m = 0; m < MR; ++m) {
-    const Vec16 input = vset1(x[m].even);
+    const Vec16 input = vset1(x(m).even);
     for (int v = 0; v < NV; ++v) acc[m][v] = vfma(weights[v], input, acc[m][v]);
   }
 }

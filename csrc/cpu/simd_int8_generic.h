@@ -18,6 +18,8 @@ inline StagedQuad stage_quad(const int8_t* x) {
   return quad;
 }
 inline I8Input i8_broadcast(StagedQuad x) { return x; }
+constexpr bool kI8InputsFromRows = false;
+inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }
 inline I8Acc i8_start(const int16_t*) { return {}; }
 inline I8Weights i8_load(const int8_t* w) { return w; }
 inline void i8_dot(I8Acc& acc, I8Weights w, I8Input x) {
