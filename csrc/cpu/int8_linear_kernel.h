@@ -25,6 +25,8 @@
 // as they go, since those calls are bound by reading the weights.
 
 static_assert(kI8TileRows <= kMaxInt8TileRows && sizeof(StagedQuad) <= 8, "int8 scratch too small");
+#define CONTBATCH_PRAGMA_TEXT(text) #text
+#define CONTBATCH_UNROLL(n) _Pragma(CONTBATCH_PRAGMA_TEXT(GCC unroll n))
 constexpr int kI8TileColumns = kI8TileVectors * kLanes;
 static_assert(kInt8PanelColumns % kI8TileColumns == 0, "column tiles must divide a panel");
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
@@ -58,8 +60,7 @@ inline void int8_tile(const InputAt& input_at, const ScaleAt& x_scale_at, int64_
       const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * v);
       for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
     }
-    // Not unrolled: GCC would reassociate the unrolled integer sums and spill the products.
-#pragma GCC unroll 1
+    CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
     for (int q = 0; q < kInt8Quads; ++q) {
       const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes;
       I8Weights w[NV];

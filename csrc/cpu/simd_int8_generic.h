@@ -19,6 +19,7 @@ inline StagedQuad stage_quad(const int8_t* x) {
 }
 inline I8Input i8_broadcast(StagedQuad x) { return x; }
 constexpr bool kI8InputsFromRows = false;
+#define CONTBATCH_I8_QUAD_UNROLL 1
 inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }
 inline I8Acc i8_start(const int16_t*) { return {}; }
 inline I8Weights i8_load(const int8_t* w) { return w; }
