@@ -6,10 +6,10 @@ every call. Two layouts replace it:
 - ``panels`` (bf16, wherever the extension is built): contbatch's own ``bf16_linear``
   kernel (csrc/cpu/linear_kernel.h, layout in ``contbatch/ops/panel_layout.py``), on every
   ISA tier: vdpbf16ps on AVX512_BF16 CPUs, bf16 widened to fp32 FMAs on AVX2 and AVX-512
-  without it. On AVX512_BF16 it ran 1.8x faster than oneDNN at one and two rows over
-  SmolLM2's 121 projections (9.3 against 16.3 ms a step at one row, 29 GB/s of weights),
-  1.1-1.4x from 4 to 64 rows, level at 256 and 2% slower at 720 (benchmarks/linear.py;
-  table in docs/performance.md). On AVX2 CPUs oneDNN has no bf16 path at all. Sums are
+  without it. On AVX512_BF16 (Zen 5, 2026-11-26) it ran 1.3-1.4x faster than oneDNN from
+  one to 16 rows over SmolLM2's 121 projections (6.2 against 7.9 ms a step at one row, 43
+  GB/s of weights), 1.2x at 32-64 rows and level at 256-720 (benchmarks/linear.py; tables
+  per CPU in docs/performance.md). On AVX2 CPUs oneDNN has no bf16 path at all. Sums are
   fp32 in a different order from F.linear's, so a result can differ by one bf16 rounding step.
 - ``int8`` (``LLM(quantization="int8")``, or Q8_0 tensors of a GGUF file): 8-bit weights in
   blocks of 32 inputs with an fp16 scale each, activations quantized per token and block on
