@@ -17,6 +17,16 @@ PROMPTS = [[5 + i, 9, 11 + i] for i in range(NUM_PROMPTS)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True) for i in range(NUM_PROMPTS)]
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler for each test, as an interactive run has it: a process
+    started in the background by a non-interactive shell inherits SIGINT ignored, and there
+    a Ctrl-C never reaches generate() (these tests then failed for that reason alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
     return LLM(tiny_model_dirs["llama"], dtype="float32", skip_tokenizer_init=True, max_model_len=64)
