@@ -107,10 +107,12 @@ def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> t
     that runs on the CPU only (int8 quantization): "auto" then picks the CPU, saying why
     when a GPU is visible, and an explicit CUDA device is refused, naming the setting."""
     if device == "auto":
-        if cpu_only is not None and torch.cuda.is_available():
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        if cpu_only is not None:
             logger.warning("device='auto' chose the CPU though a GPU is visible: %s runs on the CPU only", cpu_only)
             return torch.device("cpu")
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
