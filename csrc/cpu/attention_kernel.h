@@ -219,27 +219,21 @@ struct VisitOrder {
   }
 };
 
-// Cache offsets of the K/V rows of an item's visits in a ring: the current visit and the
-// kPrefetchVisits after it, which are prefetched into L2 while the current one is computed
-// (blocks are scattered, so K/V come from DRAM with no stream for the hardware prefetcher).
-// Re-prefetching the next visit measured faster than prefetching each visit once; 4 or 6
-// visits ahead, or prefetching into L1 or L3 instead, measured no faster.
-constexpr int kPrefetchVisits = 2;
-constexpr int kRing = kPrefetchVisits + 1;
+// Where the K/V rows of an item's visits are: the cache offsets of the current visit's rows.
 template <class T, int D>
-struct VisitRing {
+struct VisitRows {
   const AttentionArgs& args;
   const WorkItem& item;
   const VisitOrder order;
   const int32_t* table;
   const T* k_base;  // kv head item.kv_head of block 0
   const T* v_base;
-  int64_t offsets[kRing][kChunk];
-  int lengths[kRing];
-  int32_t starts[kRing];  // key position of the visit's first row
-  int heads[kRing];       // kv head of the visit, relative to item.kv_head
+  int64_t offsets[kChunk];
+  int length = 0;     // rows of the visit
+  int32_t start = 0;  // key position of its first row
+  int head = 0;       // its kv head, relative to item.kv_head
 
-  VisitRing(const AttentionArgs& args, const WorkItem& item)
+  VisitRows(const AttentionArgs& args, const WorkItem& item)
       : args(args),
         item(item),
         order(args, item),
@@ -247,51 +241,83 @@ struct VisitRing {
         k_base(static_cast<const T*>(args.key_cache) + item.kv_head * args.cache_head_stride),
         v_base(static_cast<const T*>(args.value_cache) + item.kv_head * args.cache_head_stride) {}
 
-  int length(int p) const { return lengths[p % kRing]; }
-  int32_t start(int p) const { return starts[p % kRing]; }
-  int head(int p) const { return heads[p % kRing]; }
-
   void locate(int p) {
-    int chunk, head;
+    int chunk;
     order.at(p, chunk, head);
-    const int32_t c0 = item.kv_begin + chunk * kChunk;
-    const int n = item.kv_end - c0 < kChunk ? item.kv_end - c0 : kChunk;
+    start = item.kv_begin + chunk * kChunk;
+    length = item.kv_end - start < kChunk ? item.kv_end - start : kChunk;
     const int64_t block_size = args.block_size, block_stride = args.cache_block_stride;
     const int64_t head_offset = head * args.cache_head_stride;
-    int64_t block = c0 / block_size, offset = c0 % block_size;
-    int64_t* at = offsets[p % kRing];
-    for (int t = 0; t < n; ++t) {
-      at[t] = table[block] * block_stride + head_offset + offset * D;
+    int64_t block = start / block_size, offset = start % block_size;
+    for (int t = 0; t < length; ++t) {
+      offsets[t] = table[block] * block_stride + head_offset + offset * D;
       if (++offset == block_size) {
         offset = 0;
         ++block;
       }
     }
-    lengths[p % kRing] = n;
-    starts[p % kRing] = c0;
-    heads[p % kRing] = head;
   }
 
-  void prefetch(int p) const {
-    const int64_t* at = offsets[p % kRing];
-    const int n = lengths[p % kRing];
-    for (int t = 0; t < n; ++t) {
-      for (int byte = 0; byte < D * int(sizeof(T)); byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_base + at[t]) + byte, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_base + at[t]) + byte, 0, 2);
+  // The visit's K and V rows, padding K to kChunk rows with row 0 (scored, then masked out).
+  void rows(const T** k_rows, const T** v_rows) const {
+    for (int t = 0; t < length; ++t) {
+      k_rows[t] = k_base + offsets[t];
+      v_rows[t] = v_base + offsets[t];
+    }
+    for (int t = length; t < kChunk; ++t) k_rows[t] = k_rows[0];
+  }
+};
+
+// K and V loaded ahead of an item's visits: at least this many bytes of them (one cache
+// block at least) past the block being read.
+constexpr int64_t kLoadAheadBytes = 48 * 1024;
+
+// Loads an item's cache blocks into the CPU caches ahead of its visits: plain loads, one word
+// of each 64-byte line, a window of blocks at a time. Decode attention reads each K/V row once,
+// from DRAM, and computes little on it. On Zen 5 (2026-11-26) the kernel read 17-22 GB/s with
+// software prefetches ahead (2 to 12 visits, or whole blocks up to 4 ahead) or with none at
+// all; a plain loop over the same blocks read 40-75 GB/s, and with this window of independent
+// loads the kernel read 30-38 (docs/design/experiments.md).
+template <class T>
+struct BlockLoader {
+  const char* k_base;  // kv head item.kv_head of block 0
+  const char* v_base;
+  const int32_t* table;
+  int64_t block_stride_bytes;
+  int64_t span_bytes;  // of the item's kv heads in one block, in K (and in V)
+  int64_t window;      // blocks loaded ahead, at least
+  int64_t next;        // first block not loaded yet
+  int64_t end;         // one past the item's last block
+
+  BlockLoader(const AttentionArgs& args, const WorkItem& item)
+      : k_base(reinterpret_cast<const char*>(static_cast<const T*>(args.key_cache) +
+                                             item.kv_head * args.cache_head_stride)),
+        v_base(reinterpret_cast<const char*>(static_cast<const T*>(args.value_cache) +
+                                             item.kv_head * args.cache_head_stride)),
+        table(args.block_tables + item.seq * args.block_table_stride),
+        block_stride_bytes(args.cache_block_stride * int64_t(sizeof(T))),
+        span_bytes(item.num_kv_heads * args.cache_head_stride * int64_t(sizeof(T))),
+        window(kLoadAheadBytes / (2 * span_bytes) > 1 ? kLoadAheadBytes / (2 * span_bytes) : 1),
+        next(item.kv_begin / args.block_size),
+        end((item.kv_end - 1) / args.block_size + 1) {}
+
+  // Called with the block a visit reads: when fewer than `window` blocks past it are loaded,
+  // loads up to two windows past it.
+  void keep_ahead_of(int64_t block) {
+    if (next - block > window || next >= end) return;
+    const int64_t from = next > block ? next : block;
+    const int64_t stop = from + 2 * window < end ? from + 2 * window : end;
+    uint64_t sum = 0;
+    for (; next < stop; ++next) {
+      const int64_t offset = table[next] * block_stride_bytes;
+      for (int64_t byte = 0; byte < span_bytes; byte += 64) {
+        uint64_t k, v;
+        std::memcpy(&k, k_base + offset + byte, sizeof k);
+        std::memcpy(&v, v_base + offset + byte, sizeof v);
+        sum += k ^ v;
       }
     }
-  }
-
-  // K and V rows of visit p, padding K to kChunk rows with row 0 (scored, then masked out).
-  void rows_of(int p, const T** k_rows, const T** v_rows) const {
-    const int64_t* at = offsets[p % kRing];
-    const int n = lengths[p % kRing];
-    for (int t = 0; t < n; ++t) {
-      k_rows[t] = k_base + at[t];
-      v_rows[t] = v_base + at[t];
-    }
-    for (int t = n; t < kChunk; ++t) k_rows[t] = k_rows[0];
+    asm volatile("" : : "r"(sum));  // the loads are the point: the compiler must keep them
   }
 };
 
@@ -299,21 +325,18 @@ template <class T, int NC>
 void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
   Rows<T, NC> rows[kMaxKvHeadsPerItem];
   for (int g = 0; g < item.num_kv_heads; ++g) load_rows(rows[g], args, kv_head_slice(args, item, g));
-  VisitRing<T, 16 * NC> ring(args, item);
-  const int visits = ring.order.size();
-  for (int p = 0; p < kPrefetchVisits && p < visits; ++p) ring.locate(p);
+  VisitRows<T, 16 * NC> visit(args, item);
+  BlockLoader<T> loader(args, item);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
   const T* k_rows[kChunk];
   const T* v_rows[kChunk];
-  for (int p = 0; p < visits; ++p) {
-    ring.rows_of(p, k_rows, v_rows);
-    Rows<T, NC>& head_rows = rows[ring.head(p)];
-    const int n = ring.length(p);
-    const int32_t c0 = ring.start(p);
-    if (p + kPrefetchVisits < visits) ring.locate(p + kPrefetchVisits);
-    for (int ahead = p + 1; ahead <= p + kPrefetchVisits && ahead < visits; ++ahead) ring.prefetch(ahead);
-    softmax_chunk(head_rows, k_rows, c0, n, scale_log2);
-    accumulate_chunk(head_rows, v_rows, n);
+  for (int p = 0; p < visit.order.size(); ++p) {
+    visit.locate(p);
+    loader.keep_ahead_of(visit.start / args.block_size);
+    visit.rows(k_rows, v_rows);
+    Rows<T, NC>& head_rows = rows[visit.head];
+    softmax_chunk(head_rows, k_rows, visit.start, visit.length, scale_log2);
+    accumulate_chunk(head_rows, v_rows, visit.length);
   }
   for (int g = 0; g < item.num_kv_heads; ++g) store_rows(rows[g], args, kv_head_slice(args, item, g), partials);
 }
