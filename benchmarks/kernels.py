@@ -24,6 +24,7 @@ import torch
 from contbatch.ops import reference
 
 from _report import replace_marked
+from _machine import cpu_description, cpu_kind
 from _roofline import copy_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
@@ -153,7 +154,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--quick", action="store_true", help="bf16 only, contexts up to 1024")
-    parser.add_argument("--update-docs", action="store_true", help="rewrite the kernels section of docs/performance.md")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="rewrite this kind of CPU's kernels section of docs/performance.md")
     args = parser.parse_args()
     from contbatch import _C  # noqa: F401  (fails loudly when the extension is not built)
 
@@ -191,7 +193,8 @@ def main() -> None:
             f.write(table + "\n")
     if args.update_docs:
         command = "python benchmarks/kernels.py --update-docs" + (" --quick" if args.quick else "")
-        replace_marked("kernels", f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`.\n\n{table}")
+        measured = f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`. CPU: {cpu_description()}."
+        replace_marked(f"kernels-{cpu_kind()}", f"{measured}\n\n{table}")
 
 
 if __name__ == "__main__":
