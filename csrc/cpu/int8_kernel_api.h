@@ -35,7 +35,8 @@ inline int64_t int8_scratch_bytes(int64_t blocks) {
 template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
-  // be nullptr): the int32 dot product of each block, times the row's and column's scales,
+  // be nullptr), x's bytes XORed with the table's input_xor (Int8Kernels) by the driver
+  // beforehand: the int32 dot product of each block, times the row's and column's scales,
   // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
   // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
   // zeroed by the driver before the thread's first task of the call.
@@ -49,6 +50,9 @@ struct Int8TypedKernels {
 
 struct Int8Kernels {
   const char* name;
+  // The byte the driver XORs each input value with, once per call, before `panel` reads the
+  // inputs: 0x80 where vpdpbusd takes q + 128 as unsigned bytes, 0 where they stay as quantized.
+  uint8_t input_xor;
   const Int8TypedKernels<float>* fp32;
   const Int8TypedKernels<uint16_t>* bf16;
 };

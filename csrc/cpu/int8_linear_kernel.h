@@ -1,5 +1,6 @@
 // The int8 linear kernel over block-quantized panels (layouts: int8_kernel_api.h), written
 // once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
+//   kI8InputXor                           the byte the driver XORs every input with first
 //   StagedQuad stage_quad(const int8_t*)  one row's 4 inputs in the form the tier broadcasts
 //   I8Input i8_broadcast(StagedQuad)      that quad in every lane
 //   I8Input i8_input(const int8_t*)       a row's quad in every lane, as staging would give it
@@ -156,4 +157,4 @@ void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* s
 
 constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>};
-constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, &kInt8Fp32, &kInt8Bf16};
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputXor, &kInt8Fp32, &kInt8Bf16};

@@ -7,6 +7,7 @@
 
 #include "simd_int8_ymm.h"
 
+constexpr uint8_t kI8InputXor = 0;  // the inputs as quantized (int8_kernel_api.h)
 using StagedQuad = uint64_t;  // the row's 4 inputs as int16
 using I8Input = __m256i;
 struct I8Acc {

@@ -26,11 +26,7 @@ constexpr int kI8TileRows = 4;
 constexpr int kI8TileVectors = 1;
 
 inline I8Input i8_broadcast(StagedQuad x) { return _mm256_set1_epi32(int(x)); }
-inline I8Input i8_input(const int8_t* x) {  // stage_quad's q + 128, broadcast from the row
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof bits);
-  return _mm256_xor_si256(_mm256_set1_epi32(bits), _mm256_set1_epi32(int32_t(0x80808080u)));
-}
+inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }  // q + 128, staged
 inline I8Acc i8_start(const int16_t* sums) {
   I8Acc acc;
   for (int h = 0; h < 2; ++h) {

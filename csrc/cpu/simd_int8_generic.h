@@ -2,6 +2,7 @@
 // column at a time. Included after simd_generic.h.
 #pragma once
 
+constexpr uint8_t kI8InputXor = 0;  // the inputs as quantized (int8_kernel_api.h)
 using StagedQuad = uint32_t;  // the row's 4 int8 inputs
 using I8Input = StagedQuad;
 struct I8Acc {

@@ -17,11 +17,7 @@ constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
 
 inline I8Input i8_broadcast(StagedQuad x) { return _mm512_set1_epi32(int(x)); }
-inline I8Input i8_input(const int8_t* x) {  // stage_quad's q + 128, broadcast from the row
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof bits);
-  return _mm512_xor_si512(_mm512_set1_epi32(bits), _mm512_set1_epi32(int32_t(0x80808080u)));
-}
+inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }  // q + 128, staged
 inline I8Acc i8_start(const int16_t* sums) {
   const __m512i sum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));

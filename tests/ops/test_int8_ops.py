@@ -28,9 +28,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Tensor:
     packed = pack_int8(weight)
     out = torch.full((x.values.shape[0], packed.out_features), float("nan"), dtype=dtype)
+    inputs = x.values.clone()
     with ops.use_int8_kernel(kernel):
         native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, packed.sums, bias)
     assert not out.isnan().any(), "an output element was never written"
+    # vpdpbusd kernels read the inputs offset by 128: the op stages a copy, never its argument.
+    assert torch.equal(x.values, inputs), "int8_linear changed its x_values"
     return out
 
 
