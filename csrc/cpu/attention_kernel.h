@@ -278,7 +278,7 @@ constexpr int64_t kLoadAheadBytes = 48 * 1024;
 // software prefetches ahead (2 to 12 visits, or whole blocks up to 4 ahead) or with none at
 // all; a plain loop over the same blocks read 40-75 GB/s, and with this window of independent
 // loads the kernel read 30-38 (docs/design/experiments.md).
-template <class T>
+template <class T, int D>
 struct BlockLoader {
   const char* k_base;  // kv head item.kv_head of block 0
   const char* v_base;
@@ -289,17 +289,16 @@ struct BlockLoader {
   int64_t next;        // first block not loaded yet
   int64_t end;         // one past the item's last block
 
-  BlockLoader(const AttentionArgs& args, const WorkItem& item)
-      : k_base(reinterpret_cast<const char*>(static_cast<const T*>(args.key_cache) +
-                                             item.kv_head * args.cache_head_stride)),
-        v_base(reinterpret_cast<const char*>(static_cast<const T*>(args.value_cache) +
-                                             item.kv_head * args.cache_head_stride)),
-        table(args.block_tables + item.seq * args.block_table_stride),
-        block_stride_bytes(args.cache_block_stride * int64_t(sizeof(T))),
-        span_bytes(item.num_kv_heads * args.cache_head_stride * int64_t(sizeof(T))),
+  // The blocks of the item whose rows `visit` locates, from the same bases and block table.
+  explicit BlockLoader(const VisitRows<T, D>& visit)
+      : k_base(reinterpret_cast<const char*>(visit.k_base)),
+        v_base(reinterpret_cast<const char*>(visit.v_base)),
+        table(visit.table),
+        block_stride_bytes(visit.args.cache_block_stride * int64_t(sizeof(T))),
+        span_bytes(visit.item.num_kv_heads * visit.args.cache_head_stride * int64_t(sizeof(T))),
         window(kLoadAheadBytes / (2 * span_bytes) > 1 ? kLoadAheadBytes / (2 * span_bytes) : 1),
-        next(item.kv_begin / args.block_size),
-        end((item.kv_end - 1) / args.block_size + 1) {}
+        next(visit.item.kv_begin / visit.args.block_size),
+        end((visit.item.kv_end - 1) / visit.args.block_size + 1) {}
 
   // Called with the block a visit reads: when fewer than `window` blocks past it are loaded,
   // loads up to two windows past it.
@@ -326,7 +325,7 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
   Rows<T, NC> rows[kMaxKvHeadsPerItem];
   for (int g = 0; g < item.num_kv_heads; ++g) load_rows(rows[g], args, kv_head_slice(args, item, g));
   VisitRows<T, 16 * NC> visit(args, item);
-  BlockLoader<T> loader(args, item);
+  BlockLoader<T, 16 * NC> loader(visit);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
   const T* k_rows[kChunk];
   const T* v_rows[kChunk];
