@@ -96,7 +96,7 @@ TINY_PHI3_GEMMA3_CONFIGS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def _save_random_model(config, path: Path, seed: int, norm_std: float = 0.0) -> Path:
+def save_random_model(config, path: Path, seed: int, norm_std: float = 0.0) -> Path:
     """A randomly initialised fp32 model of ``config`` saved (config.json + model.safetensors) in ``path``;
     ``norm_std`` > 0 moves the norm weights off their constant init (Gemma's zeros would hide a wrong 1 + w)."""
     torch.manual_seed(seed)
@@ -114,7 +114,7 @@ def _save_random_model(config, path: Path, seed: int, norm_std: float = 0.0) -> 
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """name -> directory with config.json + model.safetensors of a random tiny model."""
     return {
-        name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
+        name: save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
         for name, make_config in TINY_CONFIGS.items()
     }
 
@@ -123,7 +123,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 def phi3_gemma3_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """name -> directory of a random tiny model of TINY_PHI3_GEMMA3_CONFIGS, norms randomised too."""
     return {
-        name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name), norm_std=0.3)
+        name: save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name), norm_std=0.3)
         for name, make_config in TINY_PHI3_GEMMA3_CONFIGS.items()
     }
 
@@ -198,7 +198,7 @@ def chat_model_dir(tmp_path_factory, smollm_dir) -> Path:
         pad_token_id=2,
         tie_word_embeddings=True,
     )
-    path = _save_random_model(config, tmp_path_factory.mktemp("chat-model"), seed=0)
+    path = save_random_model(config, tmp_path_factory.mktemp("chat-model"), seed=0)
     for name in TOKENIZER_FILES:
         if (smollm_dir / name).exists():
             shutil.copy(smollm_dir / name, path)

@@ -119,6 +119,7 @@ def test_tiny_models_match_hf(arch, scenario_name, device, tiny_model_dirs, tiny
 @pytest.mark.parametrize("arch", ["llama", "mistral-window"])
 def test_tiny_models_match_hf_on_reference_ops(arch, scenario_name, tiny_model_dirs, tiny_oracle_outputs, monkeypatch):
     """The pure-PyTorch fallback is exact too (the tests above run on the compiled ops when built)."""
+    monkeypatch.setenv("CONTBATCH_NATIVE_DECODER", "0")  # it calls the compiled ops from C++
     for name in ("reshape_and_cache", "paged_attention", "copy_blocks"):
         monkeypatch.setattr(ops, name, getattr(ops.reference, name))
     model_dir = tiny_model_dirs[arch]

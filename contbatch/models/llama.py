@@ -26,6 +26,7 @@ from contbatch.layers.linear import (
 )
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
+from contbatch.models import native_decoder
 from contbatch.models.config import ModelConfig
 from contbatch.ops.int8_blocks import Int8Blocks, quantize_weight
 
@@ -125,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
+        self.native_decoder: native_decoder.NativeDecoder | None = None  # the layers in C++, once packed
 
     def pack_weights(self, quantization: Quantization | None = None, embedding_blocks: Int8Blocks | None = None) -> None:
         """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel,
@@ -145,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
         if int8_lookup:
             self.embed_tokens = Int8Embedding(int8_table.data, embedding.dtype)
+        if native_decoder.enabled() and native_decoder.unsupported_reason(self) is None:
+            self.native_decoder = native_decoder.NativeDecoder(self)
 
     def init_rotary(self, max_positions: int) -> None:
         """Build the cos/sin tables once the weights are materialised (they are not parameters)."""
@@ -166,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden_size] of a flattened varlen batch; ``kv_caches`` and
         ``metadata`` (block tables and slots of the layer's KV-cache group) per layer."""
         hidden, residual = self.embed(input_ids), None
+        if self.native_decoder is not None and self.native_decoder.serves(hidden, metadata):
+            return self.native_decoder.forward(hidden, positions, kv_caches, metadata)
         for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata):
             hidden, residual = layer(hidden, residual, positions, self.rotary_for(layer), kv_cache, layer_metadata)
         return self.norm.add_and_norm(hidden, residual)[0]

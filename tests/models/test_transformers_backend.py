@@ -40,7 +40,7 @@ from transformers import (
 from contbatch import LLM, SamplingParams
 from contbatch.models.config import ModelConfig
 from contbatch.models.transformers_config import TransformersModelConfig
-from tests.conftest import TINY_CONFIGS, TINY_VOCAB, HFOracle, _save_random_model, assert_greedy_match
+from tests.conftest import TINY_CONFIGS, TINY_VOCAB, HFOracle, assert_greedy_match, save_random_model
 from tests.ops.paged_batch import device_params
 from tests.test_generate_oracle import (
     EOS,
@@ -88,7 +88,7 @@ GENERIC_CONFIGS = {
 @pytest.fixture(scope="module")
 def generic_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {
-        name: _save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
+        name: save_random_model(make_config(), tmp_path_factory.mktemp(name), seed=len(name))
         for name, make_config in GENERIC_CONFIGS.items()
     }
 
@@ -236,7 +236,7 @@ def test_unknown_architecture_is_refused(tmp_path):
 def test_attention_sinks_are_refused_at_load(tmp_path):
     """gpt-oss passes its sinks to attention only at call time: the one-token trial at load finds them."""
     config = GptOssConfig(**_SIZES, **_GQA, head_dim=32, num_local_experts=2, num_experts_per_tok=1, sliding_window=24)
-    model_dir = _save_random_model(config, tmp_path, seed=0)
+    model_dir = save_random_model(config, tmp_path, seed=0)
     with pytest.raises(ValueError, match="GptOssForCausalLM cannot run.*needs attention sinks"):
         LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=64)
 
@@ -267,7 +267,7 @@ def test_auto_takes_native_where_it_can_and_logs_the_path(tiny_model_dirs, gener
 def test_auto_falls_back_when_the_native_model_lacks_a_feature(tmp_path):
     """A Qwen2 config with per-layer sliding windows: native refuses it, transformers' code runs it."""
     config = Qwen2Config(**_SIZES, **_GQA, use_sliding_window=True, sliding_window=24, max_window_layers=1)
-    model_dir = _save_random_model(config, tmp_path, seed=3)
+    model_dir = save_random_model(config, tmp_path, seed=3)
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         LLM(model_dir, skip_tokenizer_init=True, model_impl="native")
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=192)
