@@ -4,7 +4,8 @@
 ``DecoderStack`` (csrc/cpu/decoder_stack.cpp), which runs them with the same ops, in the same
 order, as the Python modules of contbatch/models/llama.py: the results are bit for bit those
 of the modules. What it saves is Python: with few tokens a step, module calls, op dispatch
-and views took about as long as the kernels (SmolLM2 decode, ~60 us a layer; docs/performance.md).
+and views took about as long as the kernels (SmolLM2 decoding on a Zen 5: ~60 us a layer;
+docs/design/experiments.md).
 
 The modules stay the path for everything it does not serve: prefill steps long enough for
 dense_prefill (their Python is noise beside their matmuls), models or weights it has no case
