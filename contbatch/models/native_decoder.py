@@ -32,7 +32,17 @@ def enabled() -> bool:
     """Whether new models get a native decoder: the extension has one and the environment allows it."""
     if os.environ.get("CONTBATCH_NATIVE_DECODER", "1") == "0" or ops.BACKEND != "native":
         return False
-    return hasattr(torch.classes.contbatch, "DecoderStack")
+    return extension_has_class("DecoderStack")
+
+
+def extension_has_class(name: str) -> bool:
+    """Whether the built extension registers ``torch.classes.contbatch.<name>``: one built before
+    the class existed (an editable install pulled but not rebuilt) runs the modules instead."""
+    try:
+        getattr(torch.classes.contbatch, name)
+    except (AttributeError, RuntimeError):  # torch raises RuntimeError for a class it lacks
+        return False
+    return True
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:

@@ -53,6 +53,13 @@ def test_native_decoder_equals_python_layers(arch, setting, norm_model_dirs, phi
     assert native == python
 
 
+def test_a_class_the_extension_lacks_is_missing_not_an_error():
+    """torch raises RuntimeError for an unregistered class: an extension built before
+    DecoderStack existed must leave the models on their Python layers, not fail to load them."""
+    assert native_decoder.extension_has_class("DecoderStack")
+    assert not native_decoder.extension_has_class("NoSuchClass")
+
+
 def test_gemma3_keeps_its_python_layers(phi3_gemma3_model_dirs):
     llm = LLM(phi3_gemma3_model_dirs["gemma3"], skip_tokenizer_init=True, dtype="float32", max_model_len=64)
     model = llm.engine.runner.model
