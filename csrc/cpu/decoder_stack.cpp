@@ -5,9 +5,9 @@
 // a step (decode), that Python was about as long as the ops themselves: ~60 us a layer of
 // module calls, op dispatch and views against ~25 us of int8 kernels (SmolLM2, Zen 5).
 //
-// A stack owns its weights (PackedLinear: one projection in a kernel's layout, and the norms)
-// and, once bound, the KV cache tensors; each forward gets the step's tokens, positions and
-// attention metadata.
+// A stack holds references to the model's weights (PackedLinear: one projection in a kernel's
+// layout, and the norms), which the modules own, and, once bound, to the runner's KV cache
+// tensors; each forward gets the step's tokens, positions and attention metadata.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
