@@ -76,6 +76,7 @@ def run_contbatch(model_dir, dtype: str, requests: list, warmup: list, tokenizer
         seed=0,
         model_impl=settings["model_impl"],
         quantization=settings.get("quantization"),
+        kv_cache_dtype=settings.get("kv_cache_dtype", "auto"),
     )
     load_s = time.perf_counter() - start
     _generate(llm, warmup)

@@ -74,6 +74,8 @@ def _system_row(name: str, result: dict, num_requests: int) -> str:
     if "error" in result:  # before the label: a failed system's result has no config to fill it
         return f"| {name} | failed: see the run's JSON | | | | | | |"
     label = SYSTEM_LABELS[name].format(**result.get("config", {}))
+    if result.get("config", {}).get("kv_cache_dtype", "auto") != "auto":
+        label += f", {result['config']['kv_cache_dtype']} KV cache"
     wall = f"{result['wall_s']:.1f}"
     if result.get("extrapolated"):
         label += f" (first {result['num_requests']} of {num_requests}, extrapolated)"

@@ -13,6 +13,8 @@ Prints a markdown table (CPU and kernel tier named); --update-docs writes it int
 docs/performance.md. No timings.
 
     python benchmarks/int8_quality.py [--dtype fp32|bf16] [--no-quantize-lm-head] [--update-docs]
+    python benchmarks/int8_quality.py --kv-cache-dtype int8                     # int8 weights and KV cache
+    python benchmarks/int8_quality.py --weights dense --kv-cache-dtype int8     # the int8 KV cache alone
     python benchmarks/int8_quality.py --max-chars 2000 --window 256 --requests 4 --max-tokens 4   # a quick check
 """
 
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="the unquantized model's dtype, and that of the int8 model's dense layers")
+    parser.add_argument("--weights", choices=("int8", "dense"), default="int8",
+                        help="the second model's weights: int8 (LLM's quantization='int8') or as the first's")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="the second model's KV cache (LLM's kv_cache_dtype)")
     parser.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
                         help="quantize the LM head too (LLM's quantize_lm_head)")
     parser.add_argument("--window", type=int, default=None,
@@ -56,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens")
     parser.add_argument("--update-docs", action="store_true", help="write the table into docs/performance.md")
     args = parser.parse_args(argv)
+    if args.weights == "dense" and args.kv_cache_dtype == "auto":
+        parser.error("--weights dense with --kv-cache-dtype auto compares the model with itself")
     for name in ("window", "max_chars", "requests", "max_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -90,8 +98,20 @@ def measure(name: str, llm_kwargs: dict, text: str, args: argparse.Namespace, re
     return {"ppl": ppl, "tokens": tokens, "window": window, "token_ids": token_ids}
 
 
-def report_table(args: argparse.Namespace, command: str, dense: dict, int8: dict, agreement: dict) -> str:
+def quantized_label(args: argparse.Namespace) -> str:
+    """The second model, in words."""
     head = "int8" if args.quantize_lm_head else args.dtype
+    parts = []
+    if args.weights == "int8":
+        parts.append(f"int8 weights (activations int8 per token, LM head {head}, the rest {args.dtype})")
+    else:
+        parts.append(f"{args.dtype} weights")
+    if args.kv_cache_dtype == "int8":
+        parts.append("int8 KV cache")
+    return ", ".join(parts)
+
+
+def report_table(args: argparse.Namespace, command: str, dense: dict, int8: dict, agreement: dict) -> str:
     increase = 100 * (int8["ppl"] / dense["ppl"] - 1)
     excerpt = f"its first {args.max_chars:,} characters" if args.max_chars else "all of it"
     output_tokens = sum(len(ids) for ids in dense["token_ids"])
@@ -103,10 +123,10 @@ def report_table(args: argparse.Namespace, command: str, dense: dict, int8: dict
         "each to its max_tokens or EOS.",
         "",
         *markdown_table(
-            ["weights", "perplexity", f"vs {args.dtype} (target: at most +{TARGET_PERCENT:.1f}%)",
+            ["model", "perplexity", f"vs {args.dtype} (target: at most +{TARGET_PERCENT:.1f}%)",
              f"requests with tokens identical to {args.dtype}'s", "tokens before the first difference (mean)"],
             [[args.dtype, f"{dense['ppl']:.4f}", "", "", ""],
-             [f"int8 (activations int8 per token, LM head {head}, the rest {args.dtype})", f"{int8['ppl']:.4f}",
+             [quantized_label(args), f"{int8['ppl']:.4f}",
               f"{increase:+.2f}%", f"{agreement['requests_identical']:.1%}", f"{agreement['leading_share_mean']:.1%}"]],
         ),
     ])
@@ -117,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     text = TEXT_PATH.read_text()[: args.max_chars]
     dense_kwargs = {"dtype": DTYPES[args.dtype]}
-    int8_kwargs = {**dense_kwargs, "quantization": "int8", "quantize_lm_head": args.quantize_lm_head}
+    int8_kwargs = {**dense_kwargs, "kv_cache_dtype": args.kv_cache_dtype}
+    if args.weights == "int8":
+        int8_kwargs.update(quantization="int8", quantize_lm_head=args.quantize_lm_head)
     requests = load_workload("chat256", AutoTokenizer.from_pretrained(demo_model_dir()), args.requests, args.max_tokens)
     dense = measure(args.dtype, dense_kwargs, text, args, requests)
     int8 = measure("int8", int8_kwargs, text, args, requests)
@@ -125,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     table = report_table(args, "python benchmarks/int8_quality.py " + shlex.join(argv), dense, int8, agreement)
     print(table)
     if args.update_docs:
-        replace_marked(f"int8-quality-{args.dtype}-{cpu_kind()}", table)
+        kind = "" if args.weights == "int8" and args.kv_cache_dtype == "auto" else \
+            f"-{args.weights}-kv-{args.kv_cache_dtype}"
+        replace_marked(f"int8-quality-{args.dtype}{kind}-{cpu_kind()}", table)
 
 
 if __name__ == "__main__":

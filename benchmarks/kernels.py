@@ -13,6 +13,11 @@ argmax_rows over SmolLM2's 49,152-token vocabulary. Prints a markdown table; --o
 writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
+    python benchmarks/kernels.py --kv-cache-dtype int8 [--quick]   # int8 caches (kv_cache_dtype="int8")
+
+With --kv-cache-dtype int8 the caches hold the same values in int8 rows (values and a
+scale, docs/design/kv_cache_layout.md), the queries stay bf16 or fp32, and the sampler rows
+are left out (they do not read the cache).
 """
 
 import argparse
@@ -55,12 +60,19 @@ def time_call(fn: Callable[[], None], min_seconds: float = 0.5, max_iters: int =
 class Cache:
     """One key and value cache for the largest batch x context, shared by all configs."""
 
-    def __init__(self, dtype: torch.dtype, max_tokens: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, dtype: torch.dtype, max_tokens: int, block_size: int = BLOCK_SIZE, int8: bool = False) -> None:
+        """``dtype``: the queries' (and, unless ``int8``, the caches')."""
         self.block_size = block_size
         self.num_blocks = max_tokens // block_size
+        self.query_dtype = dtype
+        self.label = str(dtype).removeprefix("torch.") + (", int8 KV" if int8 else "")
         shape = (self.num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
-        self.key = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
-        self.value = torch.empty(shape, dtype=dtype).uniform_(-1, 1)
+
+        def values() -> torch.Tensor:
+            uniform = torch.empty(shape).uniform_(-1, 1)
+            return reference.quantize_kv_rows(uniform) if int8 else uniform.to(dtype)
+
+        self.key, self.value = values(), values()
 
     def batches(self, seq_lens: list[int], query_lens: list[int], copies: int, in_order: bool = False) -> list[tuple]:
         """paged_attention's arguments after `out` for `copies` batches on disjoint blocks: shuffled,
@@ -70,7 +82,7 @@ class Cache:
         order = torch.arange(self.num_blocks) if in_order else torch.randperm(self.num_blocks)
         physical = order[: copies * sum(blocks)].int()
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.key.dtype).uniform_(-1, 1)
+        query = torch.empty(int(starts[-1]), NUM_HEADS, HEAD_SIZE, dtype=self.query_dtype).uniform_(-1, 1)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         result, start = [], 0
         for _ in range(copies):
@@ -85,7 +97,7 @@ class Cache:
 def attention_row(
     cache: Cache, name: str, seq_lens: list[int], query_lens: list[int], copy_gbs: float, in_order: bool = False
 ) -> dict:
-    kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_SIZE * 2 * cache.key.element_size()
+    kv_bytes = sum(seq_lens) * NUM_KV_HEADS * cache.key.shape[-1] * 2 * cache.key.element_size()
     blocks = sum(-(-n // cache.block_size) for n in seq_lens)
     copies = min(-(-ROTATION_BYTES // kv_bytes), cache.num_blocks // blocks)
     batches = cache.batches(seq_lens, query_lens, copies, in_order)
@@ -96,7 +108,7 @@ def attention_row(
         torch.ops.contbatch.paged_attention(out, *batches[next(calls) % copies], SCALE)
 
     compiled = time_call(compiled_call)
-    row = dict(op=name, dtype=str(cache.key.dtype).removeprefix("torch."), compiled_ms=compiled * 1e3)
+    row = dict(op=name, dtype=cache.label, compiled_ms=compiled * 1e3)
     if all(q == 1 for q in query_lens):  # decode reads each K/V row once; prefill is compute-bound
         row["gbs"] = kv_bytes / compiled / 1e9
         row["pct_copy"] = 100 * row["gbs"] / copy_gbs
@@ -108,13 +120,12 @@ def attention_row(
 
 
 def reshape_and_cache_row(cache: Cache, num_tokens: int) -> dict:
-    dtype = cache.key.dtype
-    key = torch.empty(num_tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype).uniform_(-1, 1)
+    key = torch.empty(num_tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=cache.query_dtype).uniform_(-1, 1)
     value = torch.empty_like(key).uniform_(-1, 1)
     slots = torch.randperm(cache.num_blocks * cache.block_size)[:num_tokens]
     compiled = time_call(lambda: torch.ops.contbatch.reshape_and_cache(key, value, cache.key, cache.value, slots))
     ref = time_call(lambda: reference.reshape_and_cache(key, value, cache.key, cache.value, slots), max_iters=20)
-    return dict(op=f"reshape_and_cache {num_tokens} tokens", dtype=str(dtype).removeprefix("torch."),
+    return dict(op=f"reshape_and_cache {num_tokens} tokens", dtype=cache.label,
                 compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
 
 
@@ -154,17 +165,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--quick", action="store_true", help="bf16 only, contexts up to 1024")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="the caches in the query dtype, or in int8 rows")
     parser.add_argument("--update-docs", action="store_true",
                         help="rewrite this kind of CPU's kernels section of docs/performance.md")
     args = parser.parse_args()
     from contbatch import _C  # noqa: F401  (fails loudly when the extension is not built)
 
     copy_gbs = copy_bandwidth()
+    int8 = args.kv_cache_dtype == "int8"
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     contexts = tuple(c for c in CONTEXTS if not args.quick or c <= 1024)
     rows = []
     for dtype in dtypes:
-        cache = Cache(dtype, max(BATCHES) * max(contexts))
+        cache = Cache(dtype, max(BATCHES) * max(contexts), int8=int8)
         for batch in BATCHES:
             for context in contexts:
                 name = f"decode batch {batch} ctx {context}"
@@ -177,11 +191,11 @@ def main() -> None:
         rows.append(attention_row(cache, "prefill 8 x 200 tokens", [200] * 8, [200] * 8, copy_gbs))
         for num_tokens in (32, 256, 4096):
             rows.append(reshape_and_cache_row(cache, num_tokens))
-        for num_rows in (1, 256):
+        for num_rows in () if int8 else (1, 256):
             rows.append(argmax_rows_row(dtype, num_rows))
         del cache
         for block_size in LARGER_BLOCK_SIZES:
-            cache = Cache(dtype, 256 * 1024, block_size)
+            cache = Cache(dtype, 256 * 1024, block_size, int8=int8)
             name = f"decode batch 256 ctx 1024, block {block_size}"
             rows.append(attention_row(cache, name, [1024] * 256, [1] * 256, copy_gbs))
             print(rows[-1], flush=True)
@@ -192,9 +206,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(table + "\n")
     if args.update_docs:
-        command = "python benchmarks/kernels.py --update-docs" + (" --quick" if args.quick else "")
+        command = "python benchmarks/kernels.py --update-docs" + (" --quick" if args.quick else "") + \
+            (" --kv-cache-dtype int8" if int8 else "")
         measured = f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`. CPU: {cpu_description()}."
-        replace_marked(f"kernels-{cpu_kind()}", f"{measured}\n\n{table}")
+        replace_marked(f"kernels-{'int8-kv-' if int8 else ''}{cpu_kind()}", f"{measured}\n\n{table}")
 
 
 if __name__ == "__main__":

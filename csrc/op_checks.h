@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/attention_kernel_api.h"
+
 namespace contbatch {
 
 // "torch.int64" rather than ATen's "Long": the name Python users write.
@@ -38,6 +40,23 @@ inline void check_dtype_supported(const char* op, const at::Tensor& t, bool allo
 inline void check_same_device(const char* op, const at::Tensor& a, const at::Tensor& b, const char* b_name) {
   TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", b_name, " is on ", b.device(), " but the cache is on ",
                     a.device());
+}
+
+// An int8 cache (CPU only): rows of head_size values and a 4-byte scale (kInt8KvScaleBytes).
+inline bool is_int8_cache(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
+
+// head_size of a cache's rows: its last dim, less the scale bytes of an int8 cache.
+inline int64_t cache_head_size(const at::Tensor& cache) {
+  return cache.size(3) - (is_int8_cache(cache) ? cpu::kInt8KvScaleBytes : 0);
+}
+
+// A cache's dtype: the model's (check_dtype_supported), or int8 where the device has kernels for it.
+inline void check_cache_dtype(const char* op, const at::Tensor& cache, bool allow_half, bool allow_int8) {
+  if (is_int8_cache(cache)) {
+    TORCH_CHECK_TYPE(allow_int8, op, ": an int8 cache (kv_cache_dtype='int8') has CPU kernels only");
+    return;
+  }
+  check_dtype_supported(op, cache, allow_half);
 }
 
 inline void check_cache(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
@@ -63,12 +82,18 @@ inline void check_int_vector(const char* op, const at::Tensor& t, const char* na
 
 inline void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
                                          const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                         const at::Tensor& slot_mapping, bool allow_half) {
+                                         const at::Tensor& slot_mapping, bool allow_half, bool allow_int8) {
   constexpr const char* op = "reshape_and_cache";
   check_cache(op, key_cache, value_cache);
-  check_dtype_supported(op, key_cache, allow_half);
-  TORCH_CHECK_VALUE(key.dim() == 3 && key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), op,
-                    ": key must be [num_tokens, num_kv_heads=", key_cache.size(1), ", head_size=", key_cache.size(3),
+  check_cache_dtype(op, key_cache, allow_half, allow_int8);
+  if (is_int8_cache(key_cache)) {  // quantized from the input rows as they are
+    check_dtype_supported(op, key, allow_half);
+    TORCH_CHECK_TYPE(value.scalar_type() == key.scalar_type(), op, ": value dtype ", dtype_name(value.scalar_type()),
+                     " differs from key dtype ", dtype_name(key.scalar_type()));
+  }
+  const int64_t head_size = cache_head_size(key_cache);
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.size(1) == key_cache.size(1) && key.size(2) == head_size, op,
+                    ": key must be [num_tokens, num_kv_heads=", key_cache.size(1), ", head_size=", head_size,
                     "], got shape ", key.sizes());
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value shape ", value.sizes(), " differs from key shape ",
                     key.sizes());
@@ -83,13 +108,14 @@ inline void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor
 inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                       bool allow_half) {
+                                       bool allow_half, bool allow_int8) {
   constexpr const char* op = "paged_attention";
   check_cache(op, key_cache, value_cache);
   TORCH_CHECK_VALUE(query.dim() == 3, op, ": query must be [num_tokens, num_heads, head_size], got shape ",
                     query.sizes());
   check_dtype_supported(op, query, allow_half);
-  TORCH_CHECK_TYPE(key_cache.scalar_type() == query.scalar_type(), op, ": cache dtype ",
+  check_cache_dtype(op, key_cache, allow_half, allow_int8);
+  TORCH_CHECK_TYPE(is_int8_cache(key_cache) || key_cache.scalar_type() == query.scalar_type(), op, ": cache dtype ",
                    dtype_name(key_cache.scalar_type()), " differs from query dtype ", dtype_name(query.scalar_type()));
   TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), op,
                     ": out must have the query's shape ", query.sizes(), " and dtype ", dtype_name(query.scalar_type()),
@@ -97,8 +123,9 @@ inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& 
   TORCH_CHECK_VALUE(query.stride(2) == 1 && out.stride(2) == 1, op,
                     ": query and out must be contiguous in the head_size dimension");
   const int64_t head_size = query.size(2);
-  TORCH_CHECK_VALUE(key_cache.size(3) == head_size, op, ": cache head_size ", key_cache.size(3),
-                    " differs from query head_size ", head_size);
+  TORCH_CHECK_VALUE(cache_head_size(key_cache) == head_size, op, ": cache head_size ", cache_head_size(key_cache),
+                    " differs from query head_size ", head_size,
+                    is_int8_cache(key_cache) ? " (an int8 cache's rows hold head_size values and a 4-byte scale)" : "");
   TORCH_CHECK_VALUE(head_size % 16 == 0 && head_size <= 256, op,
                     ": head_size must be a multiple of 16 and at most 256, got ", head_size);
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(1) == 0, op, ": num_heads ", query.size(1),

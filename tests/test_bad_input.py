@@ -170,6 +170,7 @@ def test_a_raising_generator_keeps_the_finished_outputs(llm):
         (dict(block_size=-4), "block_size"),
         (dict(max_model_len=10_000), "max_position_embeddings"),
         (dict(kv_cache_memory=1000), "kv_cache_memory"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),
     ],
 )
 def test_bad_engine_arguments(tiny_model_dirs, kwargs, match):
@@ -183,12 +184,15 @@ def test_int8_on_a_machine_with_a_gpu_runs_on_the_cpu_unless_cuda_is_asked_for(t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == torch.device("cuda")
     assert resolve_device("auto", cpu_only="quantization='int8'") == torch.device("cpu")
-    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU only"):
+    with pytest.raises(ValueError, match="quantization='int8' has CPU kernels only"):
         resolve_device("cuda", cpu_only="quantization='int8'")
-    llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, quantization="int8", dtype="float32")
-    assert llm.engine.runner.device == torch.device("cpu")
-    out = llm.generate([[5, 7, 9]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' has CPU kernels only"):
+        LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, kv_cache_dtype="int8", device="cuda")
+    for kwargs in (dict(quantization="int8"), dict(kv_cache_dtype="int8")):
+        llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", **kwargs)
+        assert llm.engine.runner.device == torch.device("cpu")
+        out = llm.generate([[5, 7, 9]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_missing_model_directory(tmp_path):

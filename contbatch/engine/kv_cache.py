@@ -11,8 +11,9 @@ All groups draw from one pool of blocks. A block holds ``block_size`` tokens of
 ``layers_per_block`` layers: every group has that many layers (the last group of a kind
 may leave some places empty), so a block fits any group and the pool needs no split
 between them. Layout (docs/design/kv_cache_layout.md): one tensor
-``[layers_per_block, 2, num_blocks, num_kv_heads, block_size, head_dim]`` in the model's
-dtype; layer ``l`` reads its ``(key_cache, value_cache)`` pair as views of place
+``[layers_per_block, 2, num_blocks, num_kv_heads, block_size, row]`` in the model's
+dtype (``row`` = head_dim), or int8 with ``kv_cache_dtype="int8"`` (``row`` = head_dim
+values and their 4-byte scale); layer ``l`` reads its ``(key_cache, value_cache)`` pair as views of place
 ``layer_places[l]``, through its group's block table. With one group, places are layers
 and the tensor is ``[num_layers, 2, ...]``. Everything that sizes or shapes the cache lives here.
 """
@@ -27,6 +28,7 @@ import torch
 from contbatch.layers.attention import KVCache
 from contbatch.models.config import ModelConfig
 from contbatch.models.transformers_config import TransformersModelConfig
+from contbatch.ops.reference import KV_INT8_SCALE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the cache tensor: the model's, or torch.int8 (quantized rows)
     groups: tuple[KVCacheGroup, ...]
 
     @classmethod
@@ -87,6 +89,11 @@ class KVCacheSpec:
         cls, config: ModelConfig | TransformersModelConfig, block_size: int, dtype: torch.dtype
     ) -> "KVCacheSpec":
         return cls(config.num_kv_heads, config.head_dim, block_size, dtype, kv_cache_groups(config.sliding_windows))
+
+    @property
+    def row_len(self) -> int:
+        """Elements of one token's row of one kv head: head_dim, plus the scale's bytes when int8."""
+        return self.head_dim + (KV_INT8_SCALE_BYTES if self.dtype == torch.int8 else 0)
 
     @property
     def num_layers(self) -> int:
@@ -122,7 +129,7 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         """Bytes of one block of the pool (``block_size`` tokens of one group's layers)."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.layers_per_block * 2 * self.num_kv_heads * self.block_size * self.head_dim * element
+        return self.layers_per_block * 2 * self.num_kv_heads * self.block_size * self.row_len * element
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks of the pool that ``num_tokens`` tokens take in every group."""
@@ -151,7 +158,7 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, list[KVCache]]:
         """The cache tensor (uninitialised: a block is written before it is read) and each layer's views."""
-        shape = (self.layers_per_block, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (self.layers_per_block, 2, num_blocks, self.num_kv_heads, self.block_size, self.row_len)
         cache = torch.empty(shape, dtype=self.dtype, device=device)
         return cache, [(cache[place, 0], cache[place, 1]) for place in self.layer_places]
 

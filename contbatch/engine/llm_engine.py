@@ -39,7 +39,7 @@ class LLMEngine:
         self.config = config
         self.model_config = read_config(model_dir, config.model_impl)
         self.max_model_len = self._max_model_len(config)
-        cache_spec = KVCacheSpec.for_model(self.model_config, config.block_size, dtype)
+        cache_spec = KVCacheSpec.for_model(self.model_config, config.block_size, config.kv_cache_torch_dtype(dtype))
         num_blocks = cache_spec.num_blocks(config.kv_cache_memory, self.max_model_len, config.max_num_seqs, device)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model_dir)
         model = load_model(model_dir, self.model_config, dtype, device, self.max_model_len,

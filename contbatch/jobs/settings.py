@@ -54,13 +54,16 @@ def job_settings(
     params: SamplingParams,
     prompt: dict,
     quantization: Quantization | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Flat {"section.key": JSON value} settings that must match between runs of one job.
-    ``quantization`` is recorded (as "int8, LM head int8, embeddings dense") only when set,
-    so that jobs written before it existed still resume."""
+    ``quantization`` (as "int8, LM head int8, embeddings dense") and ``kv_cache_dtype`` are
+    recorded only when set, so that jobs written before they existed still resume."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
     if quantization is not None:
         settings["engine.quantization"] = quantization.describe()
+    if kv_cache_dtype != "auto":
+        settings["engine.kv_cache_dtype"] = kv_cache_dtype
     settings.update(input_settings(params, prompt))
     return settings
 

@@ -66,7 +66,7 @@ def _dense(
     first_block = first_key // block_size
     blocks = block_table[first_block : (seq_len + block_size - 1) // block_size].long()
     skip = first_key - first_block * block_size
-    keys, values = (_gathered(cache, blocks, skip, seq_len - first_key) for cache in (key_cache, value_cache))
+    keys, values = (_gathered(cache, blocks, skip, seq_len - first_key, q.dtype) for cache in (key_cache, value_cache))
     query = q.transpose(0, 1)[None]  # [1, heads, q_len, head_size]
     if first_query == 0 and (sliding_window <= 0 or sliding_window >= seq_len):
         attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -76,11 +76,12 @@ def _dense(
     return attn[0].transpose(0, 1)
 
 
-def _gathered(cache: torch.Tensor, blocks: torch.Tensor, skip: int, length: int) -> torch.Tensor:
-    """[1, kv_heads, length, head_size]: the tokens of ``blocks`` from slot ``skip`` on, in order."""
-    kv_heads, head_size = cache.shape[1], cache.shape[3]
-    tokens = cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, head_size)
-    return tokens[None, :, skip : skip + length]
+def _gathered(cache: torch.Tensor, blocks: torch.Tensor, skip: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, kv_heads, length, head_size] in ``dtype``: the tokens of ``blocks`` from slot ``skip``
+    on, in order (dequantized from an int8 cache)."""
+    kv_heads, row = cache.shape[1], cache.shape[3]
+    tokens = cache.index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, row)
+    return ops.reference.cache_values(tokens[None, :, skip : skip + length]).to(dtype)
 
 
 def _mask(first_query: int, seq_len: int, first_key: int, sliding_window: int, device: torch.device) -> torch.Tensor:

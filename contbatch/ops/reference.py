@@ -13,6 +13,41 @@ from contbatch.ops import int8_blocks
 from contbatch.ops.panel_layout import unpack_panels
 
 
+KV_INT8_SCALE_BYTES = 4
+"""An int8 cache row: head_size int8 values, then these bytes holding the row's fp32 scale."""
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of K or V [..., head_size] as int8 cache rows [..., head_size + 4]: per row (one
+    token of one kv head), scale = max|x| / 127 and values round-half-even(x * 127 / max|x|),
+    computed in fp32; the scale's bytes follow the values. A zero row has scale 0."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # Divisions of two tensors: PyTorch computes `127.0 / t` as 127 * (1 / t), rounded twice.
+    qmax = torch.full_like(amax, 127.0)
+    inverse = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+    values = torch.round(x * inverse).clamp(-127, 127).to(torch.int8)
+    scale = (amax / qmax).contiguous()
+    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows [..., head_size + 4] as fp32 [..., head_size]: values times scale."""
+    scale = rows[..., -KV_INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-KV_INT8_SCALE_BYTES].float() * scale
+
+
+def cache_rows(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """K or V rows [..., head_size] as ``cache`` stores them: quantized for an int8 cache,
+    else converted to its dtype."""
+    return quantize_kv_rows(x) if cache.dtype == torch.int8 else x.to(cache.dtype)
+
+
+def cache_values(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as values [..., head_size]: dequantized (fp32) from an int8 cache, else as stored."""
+    return dequantize_kv_rows(rows) if rows.dtype == torch.int8 else rows
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -20,7 +55,8 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_size] into their cache slots.
+    """Write key/value [num_tokens, num_kv_heads, head_size] into their cache slots
+    (quantized into an int8 cache, ``quantize_kv_rows``).
 
     Tokens whose slot is negative are skipped (padding or already cached)."""
     block_size = key_cache.shape[2]
@@ -30,8 +66,8 @@ def reshape_and_cache(
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
     # Advanced indexing on dims 0 and 2 puts the token dim first: [T, kv_heads, head].
-    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = cache_rows(key, key_cache)
+    value_cache[blocks, :, offsets] = cache_rows(value, value_cache)
 
 
 def paged_attention(
@@ -47,7 +83,8 @@ def paged_attention(
 ) -> None:
     """Causal attention of a varlen batch over the paged cache, written into ``out``.
 
-    Accumulates in fp32; ``out`` has the query's dtype and shape."""
+    Accumulates in fp32 (over the dequantized values of an int8 cache); ``out`` has the
+    query's dtype and shape."""
     block_size = key_cache.shape[2]
     q_starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -85,10 +122,10 @@ def copy_blocks(
 
 def _gather_sequence(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[num_kv_heads, seq_len, head_size] in fp32 from the sequence's blocks."""
-    gathered = cache[blocks]  # [n_blocks, kv_heads, block_size, head]
-    kv_heads, head_size = cache.shape[1], cache.shape[3]
-    gathered = gathered.transpose(0, 1).reshape(kv_heads, -1, head_size)
-    return gathered[:, :seq_len].float()
+    gathered = cache[blocks]  # [n_blocks, kv_heads, block_size, row]
+    kv_heads, row = cache.shape[1], cache.shape[3]
+    gathered = gathered.transpose(0, 1).reshape(kv_heads, -1, row)
+    return cache_values(gathered[:, :seq_len]).float()
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int, device: torch.device) -> torch.Tensor:

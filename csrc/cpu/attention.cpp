@@ -170,7 +170,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                             /*allow_half=*/false);
+                             /*allow_half=*/false, /*allow_int8=*/true);
   thread_local Plan plan_storage;
   Plan& plan = plan_storage;
   plan_items(plan, query, key_cache, block_tables, seq_lens, query_start_loc, sliding_window);
@@ -184,7 +184,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                            block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                            key_cache.size(2), query.size(2), query.size(1) / key_cache.size(1),
                            static_cast<float>(scale), sliding_window,
-                           query.scalar_type() == at::kBFloat16};
+                           query.scalar_type() == at::kBFloat16, is_int8_cache(key_cache), key_cache.stride(2)};
   const AttentionKernels* kernels = cpu::active_kernels().attention;
   at::Tensor partials;  // only split tasks need scratch
   if (plan.partial_floats > 0) partials = at::empty({plan.partial_floats}, query.options().dtype(at::kFloat));

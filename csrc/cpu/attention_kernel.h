@@ -110,9 +110,12 @@ void load_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& ite
 }
 
 // Scores the chunk's n keys (at positions c0..) for every row and updates the row's online
-// softmax, leaving the chunk's probabilities in rows.prob (and rows.prob_bf16).
+// softmax, leaving the chunk's probabilities in rows.prob (and rows.prob_bf16). scale_log2:
+// each key's score factor (lane t: key c0 + t). value_scales (an int8 cache's V row scales,
+// else null) multiply the probabilities that weigh the V rows, not those the softmax sums.
 template <class T, int NC>
-void softmax_chunk(Rows<T, NC>& rows, const T* const* k_rows, int32_t c0, int n, Vec16 scale_log2) {
+void softmax_chunk(Rows<T, NC>& rows, const T* const* k_rows, int32_t c0, int n, Vec16 scale_log2,
+                   const float* value_scales) {
   const int count = rows.count;  // a local: the vector stores below may alias any member
   for (int r = 0; r < count; ++r) {
     const int lo = (rows.lo[r] > c0 ? rows.lo[r] : c0) - c0;
@@ -130,10 +133,16 @@ void softmax_chunk(Rows<T, NC>& rows, const T* const* k_rows, int32_t c0, int n,
       p = vmaskz(keep, vexp2(vsub(s, vset1(rows.m[r]))));
     }
 #ifdef CONTBATCH_BF16_PAIR_PV
-    if constexpr (sizeof(T) == 2) p = round_to_bf16(p, rows.prob_bf16[r]);  // l sums what p * V uses
+    if constexpr (sizeof(T) == 2) {
+      if (value_scales == nullptr) {
+        p = round_to_bf16(p, rows.prob_bf16[r]);  // l sums what p * V uses
+      } else {
+        round_to_bf16(vmul(p, vload(value_scales)), rows.prob_bf16[r]);
+      }
+    }
 #endif
     vstore(rows.l[r], vfma(vload(rows.l[r]), vset1(rows.alpha[r]), p));
-    vstore(rows.prob[r], p);
+    vstore(rows.prob[r], value_scales == nullptr ? p : vmul(p, vload(value_scales)));
   }
 }
 
@@ -220,6 +229,7 @@ struct VisitOrder {
 };
 
 // Where the K/V rows of an item's visits are: the cache offsets of the current visit's rows.
+// T is the cache's element type (int8_t for an int8 cache, whose rows are longer than D).
 template <class T, int D>
 struct VisitRows {
   const AttentionArgs& args;
@@ -247,10 +257,10 @@ struct VisitRows {
     start = item.kv_begin + chunk * kChunk;
     length = item.kv_end - start < kChunk ? item.kv_end - start : kChunk;
     const int64_t block_size = args.block_size, block_stride = args.cache_block_stride;
-    const int64_t head_offset = head * args.cache_head_stride;
+    const int64_t head_offset = head * args.cache_head_stride, row_stride = args.cache_row_stride;
     int64_t block = start / block_size, offset = start % block_size;
     for (int t = 0; t < length; ++t) {
-      offsets[t] = table[block] * block_stride + head_offset + offset * D;
+      offsets[t] = table[block] * block_stride + head_offset + offset * row_stride;
       if (++offset == block_size) {
         offset = 0;
         ++block;
@@ -320,21 +330,72 @@ struct BlockLoader {
   }
 };
 
-template <class T, int NC>
+// One int8 cache row's D values q in the query's type T (exact: |q| <= 127), and its scale.
+template <int D, class T>
+inline float widen_row(const int8_t* row, T* out) {
+  for (int c = 0; c < D; c += kLanes) vstore(out + c, vload(row + c));
+  float scale;
+  std::memcpy(&scale, row + D, sizeof scale);
+  return scale;
+}
+
+// A visit's rows of an int8 cache, widened into the query's type: the visit then runs the
+// arithmetic of a cache in that type over half (bf16) or a quarter (fp32) of the bytes read
+// from memory. The rows' scales are applied per key instead: K's to the scores, V's to the
+// probabilities (softmax_chunk), a multiply a chunk rather than one per element. K rows past
+// the visit's length point at row 0, as VisitRows::rows does, with scale 0.
+template <class T, int D>
+struct WidenedRows {
+  alignas(64) T k[kChunk][D];
+  alignas(64) T v[kChunk][D];
+  alignas(64) float k_scale[kChunk];
+  alignas(64) float v_scale[kChunk];
+
+  void fill(const int8_t* const* k_src, const int8_t* const* v_src, int n, const T** k_rows, const T** v_rows) {
+    for (int t = 0; t < n; ++t) {
+      k_scale[t] = widen_row<D>(k_src[t], k[t]);
+      v_scale[t] = widen_row<D>(v_src[t], v[t]);
+      k_rows[t] = k[t];
+      v_rows[t] = v[t];
+    }
+    for (int t = n; t < kChunk; ++t) {
+      k_rows[t] = k[0];
+      k_scale[t] = v_scale[t] = 0.0f;
+    }
+  }
+};
+
+struct NoWidenedRows {};
+
+// T: the query's (and out's) element type; C: the cache's, T itself or int8_t.
+template <class T, class C, int NC>
 void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   Rows<T, NC> rows[kMaxKvHeadsPerItem];
   for (int g = 0; g < item.num_kv_heads; ++g) load_rows(rows[g], args, kv_head_slice(args, item, g));
-  VisitRows<T, 16 * NC> visit(args, item);
-  BlockLoader<T, 16 * NC> loader(visit);
+  VisitRows<C, 16 * NC> visit(args, item);
+  BlockLoader<C, 16 * NC> loader(visit);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
   const T* k_rows[kChunk];
   const T* v_rows[kChunk];
+  [[maybe_unused]] std::conditional_t<kInt8Cache, WidenedRows<T, 16 * NC>, NoWidenedRows> widened;
   for (int p = 0; p < visit.order.size(); ++p) {
     visit.locate(p);
     loader.keep_ahead_of(visit.start / args.block_size);
-    visit.rows(k_rows, v_rows);
+    Vec16 key_scale_log2 = scale_log2;
+    const float* value_scales = nullptr;
+    if constexpr (kInt8Cache) {
+      const int8_t* k_cache_rows[kChunk];
+      const int8_t* v_cache_rows[kChunk];
+      visit.rows(k_cache_rows, v_cache_rows);
+      widened.fill(k_cache_rows, v_cache_rows, visit.length, k_rows, v_rows);
+      key_scale_log2 = vmul(scale_log2, vload(widened.k_scale));
+      value_scales = widened.v_scale;
+    } else {
+      visit.rows(k_rows, v_rows);
+    }
     Rows<T, NC>& head_rows = rows[visit.head];
-    softmax_chunk(head_rows, k_rows, visit.start, visit.length, scale_log2);
+    softmax_chunk(head_rows, k_rows, visit.start, visit.length, key_scale_log2, value_scales);
     accumulate_chunk(head_rows, v_rows, visit.length);
   }
   for (int g = 0; g < item.num_kv_heads; ++g) store_rows(rows[g], args, kv_head_slice(args, item, g), partials);
@@ -376,25 +437,25 @@ void reduce_item_partitions(const AttentionArgs& args, const WorkItem* parts, in
   for (int g = 0; g < parts[0].num_kv_heads; ++g) reduce_kv_head<T>(args, parts, num_parts, partials, g);
 }
 
-template <class T>
+template <class T, class C>
 void attend_dispatch(const AttentionArgs& args, const WorkItem& item, float* partials) {
   switch (args.head_size / 16) {  // the driver checks head_size is 16, 32, ..., 256
-    case 1: return attend_item<T, 1>(args, item, partials);
-    case 2: return attend_item<T, 2>(args, item, partials);
-    case 3: return attend_item<T, 3>(args, item, partials);
-    case 4: return attend_item<T, 4>(args, item, partials);
-    case 5: return attend_item<T, 5>(args, item, partials);
-    case 6: return attend_item<T, 6>(args, item, partials);
-    case 7: return attend_item<T, 7>(args, item, partials);
-    case 8: return attend_item<T, 8>(args, item, partials);
-    case 9: return attend_item<T, 9>(args, item, partials);
-    case 10: return attend_item<T, 10>(args, item, partials);
-    case 11: return attend_item<T, 11>(args, item, partials);
-    case 12: return attend_item<T, 12>(args, item, partials);
-    case 13: return attend_item<T, 13>(args, item, partials);
-    case 14: return attend_item<T, 14>(args, item, partials);
-    case 15: return attend_item<T, 15>(args, item, partials);
-    case 16: return attend_item<T, 16>(args, item, partials);
+    case 1: return attend_item<T, C, 1>(args, item, partials);
+    case 2: return attend_item<T, C, 2>(args, item, partials);
+    case 3: return attend_item<T, C, 3>(args, item, partials);
+    case 4: return attend_item<T, C, 4>(args, item, partials);
+    case 5: return attend_item<T, C, 5>(args, item, partials);
+    case 6: return attend_item<T, C, 6>(args, item, partials);
+    case 7: return attend_item<T, C, 7>(args, item, partials);
+    case 8: return attend_item<T, C, 8>(args, item, partials);
+    case 9: return attend_item<T, C, 9>(args, item, partials);
+    case 10: return attend_item<T, C, 10>(args, item, partials);
+    case 11: return attend_item<T, C, 11>(args, item, partials);
+    case 12: return attend_item<T, C, 12>(args, item, partials);
+    case 13: return attend_item<T, C, 13>(args, item, partials);
+    case 14: return attend_item<T, C, 14>(args, item, partials);
+    case 15: return attend_item<T, C, 15>(args, item, partials);
+    case 16: return attend_item<T, C, 16>(args, item, partials);
     default: return;
   }
 }
@@ -402,10 +463,11 @@ void attend_dispatch(const AttentionArgs& args, const WorkItem& item, float* par
 // bf16 travels as raw uint16_t bits.
 void attend(const AttentionArgs& args, const WorkItem& item, float* partials) {
   if (args.bf16) {
-    attend_dispatch<uint16_t>(args, item, partials);
-  } else {
-    attend_dispatch<float>(args, item, partials);
+    return args.int8_cache ? attend_dispatch<uint16_t, int8_t>(args, item, partials)
+                           : attend_dispatch<uint16_t, uint16_t>(args, item, partials);
   }
+  return args.int8_cache ? attend_dispatch<float, int8_t>(args, item, partials)
+                         : attend_dispatch<float, float>(args, item, partials);
 }
 
 void reduce_partitions(const AttentionArgs& args, const WorkItem* parts, int num_parts, const float* partials) {

@@ -9,6 +9,11 @@
 
 namespace contbatch::cpu {
 
+// An int8 cache row (one token of one kv head) holds head_size signed values q, then the
+// fp32 scale s (native byte order) of the row: the row stands for q * s, s = max|x| / 127
+// (docs/design/kv_cache_layout.md).
+constexpr int64_t kInt8KvScaleBytes = 4;
+
 struct AttentionArgs {
   const void* query;
   int64_t query_token_stride;  // strides in elements
@@ -27,7 +32,9 @@ struct AttentionArgs {
   int64_t heads_per_kv_head;  // query heads sharing one kv head (GQA group)
   float scale;
   int64_t sliding_window;  // <= 0: none
-  bool bf16;               // element type of query, out and caches: bf16 if true, else fp32
+  bool bf16;               // element type of query and out (and of the caches unless int8): bf16 if true, else fp32
+  bool int8_cache;         // caches in 8-bit rows (kInt8KvScaleBytes); else the query's type
+  int64_t cache_row_stride;  // elements (bytes for int8) from one token's row of a kv head to the next
 };
 
 // Query rows and key positions one task attends. For each of its kv heads kv_head + g

@@ -1,4 +1,5 @@
-// CPU reshape_and_cache and copy_blocks: row and block copies into the paged cache.
+// CPU reshape_and_cache and copy_blocks: row and block copies into the paged cache (rows
+// quantized on the way into an int8 cache).
 // Layouts: docs/design/kv_cache_layout.md (checked in ../op_checks.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -9,19 +10,25 @@
 
 #include "../op_checks.h"
 #include "../ops.h"
+#include "int8_kernel_api.h"
 
 namespace contbatch {
 
 namespace {
 constexpr int64_t kBytesPerTask = 1 << 16;  // below this a thread is not worth waking
-}
+}  // namespace
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, /*allow_half=*/false);
-  // Rows are copied whole: they must be contiguous and already in the cache's dtype.
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, /*allow_half=*/false,
+                               /*allow_int8=*/true);
+  const bool int8_cache = is_int8_cache(key_cache);
+  TORCH_CHECK_VALUE(!int8_cache || (key.size(2) % 16 == 0 && key.size(2) <= 256), "reshape_and_cache: an int8 "
+                    "cache takes a head_size that is a multiple of 16 and at most 256 (as paged_attention), got ",
+                    key.size(2));
+  // Rows are copied whole, contiguous and in the cache's dtype, or quantized as they are.
   auto as_rows = [&](const at::Tensor& t) {
-    at::Tensor rows = t.to(key_cache.scalar_type());
+    at::Tensor rows = int8_cache ? t : t.to(key_cache.scalar_type());
     return rows.stride(2) == 1 ? rows : rows.contiguous();
   };
   const at::Tensor k = as_rows(key), v = as_rows(value);
@@ -35,21 +42,35 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                       " is past the cache's ", num_slots, " slots");
   }
 
-  const int64_t elem = key_cache.element_size();
-  const int64_t row_bytes = head_size * elem;
+  const int64_t elem = k.element_size();
+  const int64_t src_row_bytes = head_size * elem;
+  const int64_t row_bytes = key_cache.size(3) * key_cache.element_size();
   const auto* k_src = static_cast<const char*>(k.data_ptr());
   const auto* v_src = static_cast<const char*>(v.data_ptr());
   auto* k_dst = static_cast<char*>(key_cache.data_ptr());
   auto* v_dst = static_cast<char*>(value_cache.data_ptr());
-  const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (2 * num_kv_heads * row_bytes));
+  const bool bf16_rows = k.scalar_type() == at::kBFloat16;
+  const cpu::Int8Kernels& int8_kernels = active_int8_kernels();
+  const auto write_row = [&](char* dst, const char* src) {
+    if (int8_cache && bf16_rows) {
+      int8_kernels.bf16->quantize_kv_row(reinterpret_cast<const uint16_t*>(src), head_size,
+                                         reinterpret_cast<int8_t*>(dst));
+    } else if (int8_cache) {
+      int8_kernels.fp32->quantize_kv_row(reinterpret_cast<const float*>(src), head_size,
+                                         reinterpret_cast<int8_t*>(dst));
+    } else {
+      std::memcpy(dst, src, src_row_bytes);
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (2 * num_kv_heads * src_row_bytes));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row_bytes;
-        std::memcpy(k_dst + dst, k_src + (t * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
-        std::memcpy(v_dst + dst, v_src + (t * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+        write_row(k_dst + dst, k_src + (t * k.stride(0) + h * k.stride(1)) * elem);
+        write_row(v_dst + dst, v_src + (t * v.stride(0) + h * v.stride(1)) * elem);
       }
     }
   });

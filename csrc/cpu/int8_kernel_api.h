@@ -46,6 +46,10 @@ struct Int8TypedKernels {
   // One row of in_features inputs into blocks: scale = max|x| / 127, q = round-half-even(
   // x * (127 / max|x|)), zero past in_features up to whole blocks.
   void (*quantize_row)(const T* x, int64_t in_features, int8_t* values, float* scales);
+  // One K or V row of head_size values (a multiple of 16, at most 256) as an int8 cache row
+  // (docs/design/kv_cache_layout.md): quantized as one block by quantize_row's rule, then
+  // the scale's 4 bytes.
+  void (*quantize_kv_row)(const T* x, int64_t head_size, int8_t* row);
 };
 
 struct Int8Kernels {
@@ -64,3 +68,8 @@ const Int8Kernels* int8_avx_vnni_kernels();
 const Int8Kernels* int8_avx512_vnni_kernels();
 
 }  // namespace contbatch::cpu
+
+namespace contbatch {
+// The int8 kernels int8 ops run now (int8_linear.cpp).
+const cpu::Int8Kernels& active_int8_kernels();
+}  // namespace contbatch

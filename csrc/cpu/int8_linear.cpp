@@ -83,19 +83,6 @@ const cpu::Int8Kernels* best_of(std::initializer_list<std::string_view> names) {
 // set_int8_kernel's choice; nullptr: the tier's. Read on every op call, as the tier is.
 std::atomic<const cpu::Int8Kernels*> forced_int8_kernel{nullptr};
 
-// Unless set_int8_kernel chose one: VNNI under either AVX-512 tier where the CPU has it;
-// else AVX-VNNI's 256-bit vpdpbusd where the CPU has it (Intel's AVX2 client CPUs), else
-// AVX2's vpmaddwd kernel, under any tier but the generic one; portable C++ under that.
-// Worked out once per tier, not on each call.
-const cpu::Int8Kernels& active_int8_kernels() {
-  if (const cpu::Int8Kernels* forced = forced_int8_kernel.load(std::memory_order_relaxed)) return *forced;
-  static const cpu::Int8Kernels* const for_avx512 = best_of({"avx512_vnni", "avx_vnni", "avx2"});
-  static const cpu::Int8Kernels* const for_avx2 = best_of({"avx_vnni", "avx2"});
-  const std::string_view isa = cpu::active_kernels().isa;
-  if (isa == "generic") return *cpu::int8_generic_kernels();
-  return isa.substr(0, 6) == "avx512" ? *for_avx512 : *for_avx2;
-}
-
 template <class T>
 const cpu::Int8TypedKernels<T>& typed(const cpu::Int8Kernels& kernels) {
   if constexpr (std::is_same_v<T, float>) {
@@ -244,6 +231,19 @@ void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& 
 }
 
 }  // namespace
+
+// Unless set_int8_kernel chose one: VNNI under either AVX-512 tier where the CPU has it;
+// else AVX-VNNI's 256-bit vpdpbusd where the CPU has it (Intel's AVX2 client CPUs), else
+// AVX2's vpmaddwd kernel, under any tier but the generic one; portable C++ under that.
+// Worked out once per tier, not on each call.
+const cpu::Int8Kernels& active_int8_kernels() {
+  if (const cpu::Int8Kernels* forced = forced_int8_kernel.load(std::memory_order_relaxed)) return *forced;
+  static const cpu::Int8Kernels* const for_avx512 = best_of({"avx512_vnni", "avx_vnni", "avx2"});
+  static const cpu::Int8Kernels* const for_avx2 = best_of({"avx_vnni", "avx2"});
+  const std::string_view isa = cpu::active_kernels().isa;
+  if (isa == "generic") return *cpu::int8_generic_kernels();
+  return isa.substr(0, 6) == "avx512" ? *for_avx512 : *for_avx2;
+}
 
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input) {
   check_rows(input, "int8_quantize_rows", "input");

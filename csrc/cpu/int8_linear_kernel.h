@@ -155,6 +155,22 @@ void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* s
   }
 }
 
-constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>};
-constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>};
+template <class T>
+void int8_quantize_kv_row(const T* x, int64_t head_size, int8_t* row) {
+  Vec16 magnitude = vzero();
+  for (int64_t i = 0; i < head_size; i += kLanes) {
+    const Vec16 v = vload(x + i);
+    magnitude = vmax(magnitude, vmax(v, vsub(vzero(), v)));
+  }
+  const float amax = vreduce_max(magnitude);
+  const Vec16 inverse = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
+  for (int64_t i = 0; i < head_size; i += kLanes) i8_store_rounded(row + i, vmul(vload(x + i), inverse));
+  const float scale = amax / 127.0f;
+  std::memcpy(row + head_size, &scale, sizeof scale);
+}
+
+constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>,
+                                            &int8_quantize_kv_row<float>};
+constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
+                                               &int8_quantize_kv_row<uint16_t>};
 constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputXor, &kInt8Fp32, &kInt8Bf16};

@@ -37,6 +37,10 @@ inline Vec16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline Vec16 vload(const uint16_t* bf16) { return {bf16x8_to_float(bf16), bf16x8_to_float(bf16 + 8)}; }
+inline Vec16 vload(const int8_t* p) {  // 16 signed bytes, exactly
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
 inline void vstore(float* p, Vec16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);

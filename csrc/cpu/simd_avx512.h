@@ -15,6 +15,9 @@ inline Vec16 vload(const uint16_t* bf16) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline Vec16 vload(const int8_t* p) {  // 16 signed bytes, exactly
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, Vec16 v) { _mm512_storeu_ps(p, v); }
 #ifdef CONTBATCH_AVX512_BF16
 inline void vstore(uint16_t* bf16, Vec16 v) {  // round to nearest even

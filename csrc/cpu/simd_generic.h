@@ -38,6 +38,11 @@ inline Vec16 vload(const uint16_t* bf16) {
   for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_float(bf16[i]);
   return r;
 }
+inline Vec16 vload(const int8_t* p) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
 inline void vstore(float* p, Vec16 v) { std::memcpy(p, v.v, sizeof v.v); }
 inline void vstore(uint16_t* bf16, Vec16 v) {
   for (int i = 0; i < 16; ++i) bf16[i] = float_to_bf16(v.v[i]);

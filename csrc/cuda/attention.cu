@@ -149,7 +149,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                             /*allow_half=*/true);
+                             /*allow_half=*/true, /*allow_int8=*/false);
   if (query.size(0) == 0 || seq_lens.size(0) == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(query.device());
   const float s = static_cast<float>(scale);

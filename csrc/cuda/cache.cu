@@ -63,7 +63,8 @@ void dispatch_dtype(at::ScalarType dtype, const F& f) {
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, /*allow_half=*/true);
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, /*allow_half=*/true,
+                               /*allow_int8=*/false);
   const int64_t num_tokens = key.size(0);
   if (num_tokens == 0) return;
   const c10::cuda::OptionalCUDAGuard guard(key_cache.device());

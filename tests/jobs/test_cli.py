@@ -123,14 +123,25 @@ def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypa
     assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["model_path"] == str(chat_model_dir.resolve())
 
 
-def test_int8_job_gives_llm_int8_results_and_its_settings_guard_a_resume(tmp_path, chat_model_dir, capsys):
-    assert _cli(tmp_path, chat_model_dir, "--quantization", "int8") == 0
+@pytest.mark.parametrize(
+    ("flags", "llm_kwargs", "setting", "value"),
+    [
+        (["--quantization", "int8"], dict(quantization="int8"), "engine.quantization",
+         "int8, LM head int8, embeddings dense"),
+        (["--kv-cache-dtype", "int8"], dict(kv_cache_dtype="int8"), "engine.kv_cache_dtype", "int8"),
+    ],
+)
+def test_an_int8_job_gives_llm_results_and_its_settings_guard_a_resume(
+    flags, llm_kwargs, setting, value, tmp_path, chat_model_dir, capsys
+):
+    assert _cli(tmp_path, chat_model_dir, *flags) == 0
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
-    assert meta["settings"]["engine.quantization"] == "int8, LM head int8, embeddings dense"
-    llm = LLM(chat_model_dir, dtype="float32", quantization="int8")
+    assert meta["settings"][setting] == value
+    llm = LLM(chat_model_dir, dtype="float32", **llm_kwargs)
     expected = llm.generate([f"prompt {i}" for i in range(3)], SamplingParams(temperature=0, max_tokens=3),
                             use_tqdm=False)  # fmt: skip
     texts = {r["id"]: r["outputs"][0]["text"] for r in read_jsonl(tmp_path / "out.jsonl")}
     assert texts == {i: out.outputs[0].text for i, out in enumerate(expected)}
-    assert _cli(tmp_path, chat_model_dir) == 1, "unquantized results must not be mixed into an int8 job"
-    assert "made with other settings" in capsys.readouterr().err
+    assert _cli(tmp_path, chat_model_dir) == 1, "results without the setting must not be mixed in"
+    err = capsys.readouterr().err
+    assert "made with other settings" in err and setting in err

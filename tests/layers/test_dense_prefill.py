@@ -15,13 +15,14 @@ LONG = dense_prefill.MIN_QUERY_ROWS
 SEQUENCES = [(LONG + 180, LONG + 80), (LONG + 8, LONG + 8), (1000, LONG), (40, 20), (300, 1), (77, 1)]
 
 
+@pytest.mark.parametrize("cache_dtype", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [-1, 64, 100_000])
-def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window):
+def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window, cache_dtype):
     gen = torch.Generator().manual_seed(sliding_window % 1000)
     seq_lens, query_lens = zip(*SEQUENCES)
     batch = random_batch(gen, list(seq_lens), list(query_lens), num_heads=8, num_kv_heads=2, head_size=64,
-                         block_size=16, dtype=dtype)
+                         block_size=16, dtype=dtype, cache_dtype=torch.int8 if cache_dtype == "int8" else None)
     scale = 0.11
     expected = torch.empty_like(batch.query)
     reference.paged_attention(expected, *batch.attention_args(), scale, sliding_window)

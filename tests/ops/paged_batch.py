@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from contbatch import ops
+from contbatch.ops import reference
 
 # Tolerances against the reference. fp32: both accumulate in fp32, so only summation order
 # differs. bf16: inputs are the same bf16 values and both accumulate in fp32, so outputs
@@ -97,10 +98,12 @@ def random_batch(
     block_size: int,
     dtype: torch.dtype,
     spare_blocks: int = 3,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """Every sequence gets its own physical blocks in shuffled order; the spare blocks and
     the cache contents past each sequence's length hold random values too, so reading a
-    wrong block or slot changes the result."""
+    wrong block or slot changes the result. ``cache_dtype`` torch.int8: the caches hold the
+    same random values quantized (kv_cache_dtype="int8"), rows scaled differently; else ``dtype``."""
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     physical = torch.randperm(num_blocks, generator=gen).tolist()
@@ -113,11 +116,28 @@ def random_batch(
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
+    def cache() -> torch.Tensor:
+        values = torch.randn(shape, generator=gen)
+        if cache_dtype == torch.int8:  # rows of different magnitudes, so a wrong row's scale shows
+            return reference.quantize_kv_rows(values * (0.5 + torch.rand(shape[:-1] + (1,), generator=gen)))
+        return values.to(dtype)
+
     return PagedBatch(
         query=torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype),
-        key_cache=torch.randn(shape, generator=gen).to(dtype),
-        value_cache=torch.randn(shape, generator=gen).to(dtype),
+        key_cache=cache(),
+        value_cache=cache(),
         block_tables=block_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
     )
+
+
+def run_both(batch: PagedBatch, scale: float, sliding_window: int, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compiled, reference) paged_attention outputs; the compiled one starts NaN-filled so
+    unwritten rows fail."""
+    expected = torch.zeros_like(batch.query)
+    reference.paged_attention(expected, *batch.attention_args(), scale, sliding_window)
+    out = torch.full_like(batch.query, float("nan"))
+    with cpu_isa(isa):
+        torch.ops.contbatch.paged_attention(out, *batch.attention_args(), scale, sliding_window)
+    return out, expected

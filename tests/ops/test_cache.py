@@ -5,29 +5,34 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from contbatch import ops
 from contbatch.ops import reference
-from tests.ops.paged_batch import device_params, require_native
+from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, device_params, require_native
 
 require_native()
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    cache_dtype=st.sampled_from(DTYPES),
+    cache_dtype=st.sampled_from([*DTYPES, torch.int8]),
     input_dtype=st.sampled_from(DTYPES),
     block_size=st.sampled_from([8, 16, 32]),
     num_kv_heads=st.integers(1, 4),
-    head_size=st.sampled_from([64, 80, 96, 128, 256]),
+    head_size=st.sampled_from([16, 64, 80, 96, 128, 256]),
     num_blocks=st.integers(1, 12),
     num_tokens=st.integers(0, 40),
     strided=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
+    int8_kernel=st.sampled_from(SUPPORTED_INT8_KERNELS or ("auto",)),
 )
 def test_reshape_and_cache_matches_reference(
-    cache_dtype, input_dtype, block_size, num_kv_heads, head_size, num_blocks, num_tokens, strided, seed
+    cache_dtype, input_dtype, block_size, num_kv_heads, head_size, num_blocks, num_tokens, strided, seed, int8_kernel
 ):
+    """Bit for bit. An int8 cache (kv_cache_dtype="int8") rounds x * (127 / max|x|) half to
+    even in fp32 like the reference, ties included (half the tokens are small halves, which
+    make exact ties common), in the int8 kernels' code: each kernel this CPU has runs."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = num_blocks * block_size
     num_tokens = min(num_tokens, num_slots)
@@ -35,18 +40,24 @@ def test_reshape_and_cache_matches_reference(
     skipped = torch.rand(num_tokens, generator=gen) < 0.2
     slot_mapping = torch.where(skipped, -1, slots).long()
     # strided: key and value are views into one fused [num_tokens, 2 * num_kv_heads, head] tensor
-    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_size, generator=gen).to(input_dtype)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_size, generator=gen)
+    kv[num_tokens // 2 :] = torch.randint(-8, 9, kv[num_tokens // 2 :].shape, generator=gen) / 2
+    kv = kv.to(input_dtype)
     if strided:
         key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     else:
         key, value = kv[:, :num_kv_heads].contiguous(), kv[:, num_kv_heads:].contiguous()
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = torch.randn(shape, generator=gen).to(cache_dtype)
-    value_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    int8 = cache_dtype == torch.int8
+    shape = (num_blocks, num_kv_heads, block_size, head_size + (reference.KV_INT8_SCALE_BYTES if int8 else 0))
+    if int8:
+        key_cache, value_cache = (torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8) for _ in "kv")
+    else:
+        key_cache, value_cache = (torch.randn(shape, generator=gen).to(cache_dtype) for _ in "kv")
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
 
     reference.reshape_and_cache(key, value, expected_k, expected_v, slot_mapping)
-    torch.ops.contbatch.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    with ops.use_int8_kernel(int8_kernel):
+        torch.ops.contbatch.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     assert torch.equal(key_cache, expected_k)
     assert torch.equal(value_cache, expected_v)
 

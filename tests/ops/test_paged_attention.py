@@ -9,27 +9,17 @@ from contbatch.ops import reference
 from tests.ops.paged_batch import (
     SUPPORTED_ISAS,
     TOLERANCES,
-    cpu_isa,
     device_params,
     isa_params,
     num_threads,
     random_batch,
     require_native,
+    run_both,
 )
 
 require_native()
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def run_both(batch, scale: float, sliding_window: int, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(compiled, reference) outputs; the compiled one starts NaN-filled so unwritten rows fail."""
-    expected = torch.zeros_like(batch.query)
-    reference.paged_attention(expected, *batch.attention_args(), scale, sliding_window)
-    out = torch.full_like(batch.query, float("nan"))
-    with cpu_isa(isa):
-        torch.ops.contbatch.paged_attention(out, *batch.attention_args(), scale, sliding_window)
-    return out, expected
 
 
 @st.composite
