@@ -101,8 +101,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = ("; vLLM's fp8 caches have no kernels here, 'int8' is the 8-bit one"
+                    if str(self.kv_cache_dtype).startswith("fp8") else "")
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
-                             f"got {self.kv_cache_dtype!r}")
+                             f"got {self.kv_cache_dtype!r}{hint}")
 
     def cpu_only_settings(self) -> str | None:
         """The settings given that run on the CPU only (for resolve_device), or None."""

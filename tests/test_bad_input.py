@@ -170,7 +170,8 @@ def test_a_raising_generator_keeps_the_finished_outputs(llm):
         (dict(block_size=-4), "block_size"),
         (dict(max_model_len=10_000), "max_position_embeddings"),
         (dict(kv_cache_memory=1000), "kv_cache_memory"),
-        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'; vLLM's fp8"),
+        (dict(kv_cache_dtype="bfloat16"), "kv_cache_dtype must be one of 'auto', 'int8', got 'bfloat16'$"),
     ],
 )
 def test_bad_engine_arguments(tiny_model_dirs, kwargs, match):
