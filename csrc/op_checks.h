@@ -50,6 +50,12 @@ inline int64_t cache_head_size(const at::Tensor& cache) {
   return cache.size(3) - (is_int8_cache(cache) ? cpu::kInt8KvScaleBytes : 0);
 }
 
+// The attention kernels' head sizes (and an int8 cache's, which their code quantizes).
+inline void check_head_size(const char* op, int64_t head_size) {
+  TORCH_CHECK_VALUE(head_size % 16 == 0 && head_size <= 256, op,
+                    ": head_size must be a multiple of 16 and at most 256, got ", head_size);
+}
+
 // A cache's dtype: the model's (check_dtype_supported), or int8 where the device has kernels for it.
 inline void check_cache_dtype(const char* op, const at::Tensor& cache, bool allow_half, bool allow_int8) {
   if (is_int8_cache(cache)) {
@@ -86,15 +92,16 @@ inline void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor
   constexpr const char* op = "reshape_and_cache";
   check_cache(op, key_cache, value_cache);
   check_cache_dtype(op, key_cache, allow_half, allow_int8);
+  const int64_t head_size = cache_head_size(key_cache);
   if (is_int8_cache(key_cache)) {  // quantized from the input rows as they are
     check_dtype_supported(op, key, allow_half);
     TORCH_CHECK_TYPE(value.scalar_type() == key.scalar_type(), op, ": value dtype ", dtype_name(value.scalar_type()),
                      " differs from key dtype ", dtype_name(key.scalar_type()));
   }
-  const int64_t head_size = cache_head_size(key_cache);
   TORCH_CHECK_VALUE(key.dim() == 3 && key.size(1) == key_cache.size(1) && key.size(2) == head_size, op,
                     ": key must be [num_tokens, num_kv_heads=", key_cache.size(1), ", head_size=", head_size,
                     "], got shape ", key.sizes());
+  if (is_int8_cache(key_cache)) check_head_size(op, head_size);  // the int8 kernels' code quantizes its rows
   TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value shape ", value.sizes(), " differs from key shape ",
                     key.sizes());
   check_int_vector(op, slot_mapping, "slot_mapping", at::kLong);
@@ -126,8 +133,7 @@ inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& 
   TORCH_CHECK_VALUE(cache_head_size(key_cache) == head_size, op, ": cache head_size ", cache_head_size(key_cache),
                     " differs from query head_size ", head_size,
                     is_int8_cache(key_cache) ? " (an int8 cache's rows hold head_size values and a 4-byte scale)" : "");
-  TORCH_CHECK_VALUE(head_size % 16 == 0 && head_size <= 256, op,
-                    ": head_size must be a multiple of 16 and at most 256, got ", head_size);
+  check_head_size(op, head_size);
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(1) == 0, op, ": num_heads ", query.size(1),
                     " is not a multiple of num_kv_heads ", key_cache.size(1));
   TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt, op, ": block_tables must be torch.int32, got ",

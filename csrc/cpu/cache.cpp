@@ -23,9 +23,6 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, /*allow_half=*/false,
                                /*allow_int8=*/true);
   const bool int8_cache = is_int8_cache(key_cache);
-  TORCH_CHECK_VALUE(!int8_cache || (key.size(2) % 16 == 0 && key.size(2) <= 256), "reshape_and_cache: an int8 "
-                    "cache takes a head_size that is a multiple of 16 and at most 256 (as paged_attention), got ",
-                    key.size(2));
   // Rows are copied whole, contiguous and in the cache's dtype, or quantized as they are.
   auto as_rows = [&](const at::Tensor& t) {
     at::Tensor rows = int8_cache ? t : t.to(key_cache.scalar_type());
@@ -50,14 +47,14 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   auto* k_dst = static_cast<char*>(key_cache.data_ptr());
   auto* v_dst = static_cast<char*>(value_cache.data_ptr());
   const bool bf16_rows = k.scalar_type() == at::kBFloat16;
-  const cpu::Int8Kernels& int8_kernels = active_int8_kernels();
+  const cpu::Int8Kernels* int8_kernels = int8_cache ? &active_int8_kernels() : nullptr;  // int8 caches only
   const auto write_row = [&](char* dst, const char* src) {
     if (int8_cache && bf16_rows) {
-      int8_kernels.bf16->quantize_kv_row(reinterpret_cast<const uint16_t*>(src), head_size,
-                                         reinterpret_cast<int8_t*>(dst));
+      int8_kernels->bf16->quantize_kv_row(reinterpret_cast<const uint16_t*>(src), head_size,
+                                          reinterpret_cast<int8_t*>(dst));
     } else if (int8_cache) {
-      int8_kernels.fp32->quantize_kv_row(reinterpret_cast<const float*>(src), head_size,
-                                         reinterpret_cast<int8_t*>(dst));
+      int8_kernels->fp32->quantize_kv_row(reinterpret_cast<const float*>(src), head_size,
+                                          reinterpret_cast<int8_t*>(dst));
     } else {
       std::memcpy(dst, src, src_row_bytes);
     }

@@ -140,6 +140,18 @@ inline Vec16 load_upto16(const T* x, int64_t n) {
   return vload(tail);
 }
 
+inline Vec16 vabs(Vec16 v) { return vmax(v, vsub(vzero(), v)); }
+
+// The 8-bit block rule of activations and KV cache rows alike: a block of largest magnitude
+// amax is stored as round-half-even(x * inverse) (i8_store_rounded) and the scale.
+struct Int8BlockScale {
+  Vec16 inverse;  // 127 / amax, 0 for a zero block
+  float scale;    // amax / 127
+};
+inline Int8BlockScale int8_block_scale(float amax) {
+  return {vset1(amax > 0.0f ? 127.0f / amax : 0.0f), amax / 127.0f};
+}
+
 template <class T>
 void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* scales) {
   const int64_t blocks = (in_features + kInt8Block - 1) / kInt8Block;
@@ -147,26 +159,20 @@ void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* s
     const int64_t first = b * kInt8Block, left = in_features - first;
     const Vec16 lo = load_upto16(x + first, left);
     const Vec16 hi = left > kLanes ? load_upto16(x + first + kLanes, left - kLanes) : vzero();
-    const float amax = vreduce_max(vmax(vmax(lo, vsub(vzero(), lo)), vmax(hi, vsub(vzero(), hi))));
-    const Vec16 inverse = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
-    scales[b] = amax / 127.0f;
-    i8_store_rounded(values + first, vmul(lo, inverse));
-    i8_store_rounded(values + first + kLanes, vmul(hi, inverse));
+    const Int8BlockScale block = int8_block_scale(vreduce_max(vmax(vabs(lo), vabs(hi))));
+    scales[b] = block.scale;
+    i8_store_rounded(values + first, vmul(lo, block.inverse));
+    i8_store_rounded(values + first + kLanes, vmul(hi, block.inverse));
   }
 }
 
 template <class T>
 void int8_quantize_kv_row(const T* x, int64_t head_size, int8_t* row) {
   Vec16 magnitude = vzero();
-  for (int64_t i = 0; i < head_size; i += kLanes) {
-    const Vec16 v = vload(x + i);
-    magnitude = vmax(magnitude, vmax(v, vsub(vzero(), v)));
-  }
-  const float amax = vreduce_max(magnitude);
-  const Vec16 inverse = vset1(amax > 0.0f ? 127.0f / amax : 0.0f);
-  for (int64_t i = 0; i < head_size; i += kLanes) i8_store_rounded(row + i, vmul(vload(x + i), inverse));
-  const float scale = amax / 127.0f;
-  std::memcpy(row + head_size, &scale, sizeof scale);
+  for (int64_t i = 0; i < head_size; i += kLanes) magnitude = vmax(magnitude, vabs(vload(x + i)));
+  const Int8BlockScale block = int8_block_scale(vreduce_max(magnitude));
+  for (int64_t i = 0; i < head_size; i += kLanes) i8_store_rounded(row + i, vmul(vload(x + i), block.inverse));
+  std::memcpy(row + head_size, &block.scale, sizeof block.scale);
 }
 
 constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>,
