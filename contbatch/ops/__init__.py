@@ -73,15 +73,25 @@ CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
 
 
 def _choose_isa_from_environment() -> None:
-    """Applies CONTBATCH_CPU_ISA once, at import: a tier this CPU lacks is refused here,
-    before any model loads, not on the first op call."""
+    """Applies CONTBATCH_CPU_ISA and CONTBATCH_INT8_KERNEL once, at import: a tier or int8
+    kernel this CPU lacks is refused here, before any model loads, not on the first op call.
+    The int8 kernel variable is how a benchmark runs, say, AVX2's vpmaddwd kernel on a CPU
+    that also has AVX-VNNI (an AVX2-only CPU's kernel on the machine at hand)."""
     isa = os.environ.get("CONTBATCH_CPU_ISA", "auto")
+    int8_kernel = os.environ.get("CONTBATCH_INT8_KERNEL", "auto")
     if _native is None:
-        if isa not in ("auto", "", "generic"):
-            raise ValueError(f"CONTBATCH_CPU_ISA={isa}: the C++ extension is not built, so only the "
-                             "PyTorch reference ops run; unset it or build the extension")
+        for variable, value, allowed in (("CONTBATCH_CPU_ISA", isa, "generic"),
+                                         ("CONTBATCH_INT8_KERNEL", int8_kernel, "generic")):
+            if value not in ("auto", "", allowed):
+                raise ValueError(f"{variable}={value}: the C++ extension is not built, so only the "
+                                 "PyTorch reference ops run; unset it or build the extension")
         return
     set_cpu_isa(isa)
+    if int8_kernel not in ("auto", ""):
+        try:
+            _native.set_int8_kernel(int8_kernel)
+        except ValueError as error:  # names the kernels this CPU runs
+            raise ValueError(f"CONTBATCH_INT8_KERNEL={int8_kernel}: {error}") from None
 
 
 def cpu_isa() -> str | None:

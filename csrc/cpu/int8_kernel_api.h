@@ -22,21 +22,19 @@ constexpr int64_t kInt8Quads = kInt8Block / 4;
 constexpr int64_t kInt8PanelColumns = 64;
 
 // Scratch one panel call needs: a 64-byte header (which panel the widened copy is of; the
-// driver zeroes it before a thread's first task of each call), a row tile's staged input
-// quads (at most 8 rows x 8 bytes a quad) and their scales, and on tiers that widen weights
-// to int16 (AVX2) the panel widened.
-constexpr int64_t kMaxInt8TileRows = 8;
+// driver zeroes it before a thread's first task of each call), and on tiers that widen
+// weights to int16 (AVX2) the panel widened.
 constexpr int64_t kInt8ScratchHeader = 64;
 inline int64_t int8_scratch_bytes(int64_t blocks) {
-  return kInt8ScratchHeader + blocks * kMaxInt8TileRows * (kInt8Quads * 8 + 4) +
-         blocks * kInt8Block * kInt8PanelColumns * 2;
+  return kInt8ScratchHeader + blocks * kInt8Block * kInt8PanelColumns * 2;
 }
 
 template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
-  // be nullptr), x's bytes XORed with the table's input_xor (Int8Kernels) by the driver
-  // beforehand: the int32 dot product of each block, times the row's and column's scales,
+  // be nullptr), x's rows (x_stride bytes apart) staged by the driver beforehand as the
+  // table's input_xor and input_bytes say (Int8Kernels): the int32 dot product of each block,
+  // times the row's and column's scales,
   // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
   // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
   // zeroed by the driver before the thread's first task of the call.
@@ -54,9 +52,12 @@ struct Int8TypedKernels {
 
 struct Int8Kernels {
   const char* name;
-  // The byte the driver XORs each input value with, once per call, before `panel` reads the
-  // inputs: 0x80 where vpdpbusd takes q + 128 as unsigned bytes, 0 where they stay as quantized.
+  // How the driver stages the inputs, once per call, before `panel` reads them: each value
+  // XORed with input_xor (0x80 where vpdpbusd takes q + 128 as unsigned bytes, 0 where they
+  // stay as quantized), then stored in input_bytes bytes: 1, or 2 where the tier multiplies
+  // int16 (AVX2's vpmaddwd), sign-extended.
   uint8_t input_xor;
+  uint8_t input_bytes;
   const Int8TypedKernels<float>* fp32;
   const Int8TypedKernels<uint16_t>* bf16;
 };

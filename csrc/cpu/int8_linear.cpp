@@ -152,19 +152,35 @@ std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, con
   return {values, scales};
 }
 
-// x_values with every byte XORed with input_xor, in a new tensor.
-at::Tensor staged_inputs(const at::Tensor& x_values, uint8_t input_xor) {
-  at::Tensor staged = at::empty(x_values.sizes(), x_values.options());
+// to[i] = from[i] ^ mask for i < n, sign-extended to int16.
+void xor_widen(const int8_t* from, int16_t* to, int64_t n, uint8_t mask) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<int8_t>(from[i] ^ mask);
+}
+
+// x_values as `kernels`' panels read them (Int8Kernels: input_xor, input_bytes). `xored`:
+// x_values' bytes carry the XOR already (int8_quantize_linear quantizes them so).
+at::Tensor staged_inputs(const cpu::Int8Kernels& kernels, const at::Tensor& x_values, bool xored) {
+  const uint8_t mask = xored ? 0 : kernels.input_xor;
+  if (x_values.numel() == 0 || (mask == 0 && kernels.input_bytes == 1)) return x_values;
   const auto* from = x_values.data_ptr<int8_t>();
-  auto* to = staged.data_ptr<int8_t>();
   const int64_t row = x_values.size(1);
+  if (kernels.input_bytes == 2) {
+    at::Tensor staged = at::empty(x_values.sizes(), x_values.options().dtype(at::kShort));
+    auto* to = staged.data_ptr<int16_t>();
+    at::parallel_for(0, x_values.size(0), 64, [&](int64_t begin, int64_t end) {
+      xor_widen(from + begin * row, to + begin * row, (end - begin) * row, mask);
+    });
+    return staged;
+  }
+  at::Tensor staged = at::empty(x_values.sizes(), x_values.options());
+  auto* to = staged.data_ptr<int8_t>();
   at::parallel_for(0, x_values.size(0), 64, [&](int64_t begin, int64_t end) {
-    xor_bytes(from + begin * row, to + begin * row, (end - begin) * row, input_xor);
+    xor_bytes(from + begin * row, to + begin * row, (end - begin) * row, mask);
   });
   return staged;
 }
 
-// x_values: the inputs XORed with kernels.input_xor already.
+// x_values: the inputs as staged_inputs gives them for `kernels`.
 template <class T>
 void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values,
                 const at::Tensor& x_scales, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
@@ -174,7 +190,8 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const int64_t panels = values.size(0), blocks = values.size(1);
   const int64_t panel_values = blocks * cpu::kInt8Block * cpu::kInt8PanelColumns;
   const int64_t panel_scales = blocks * cpu::kInt8PanelColumns;
-  const auto* x = x_values.data_ptr<int8_t>();
+  const auto* x = static_cast<const int8_t*>(x_values.data_ptr());
+  const int64_t x_stride = x_values.stride(0) * x_values.element_size();  // bytes
   const auto* xs = x_scales.data_ptr<float>();
   const auto* w = values.data_ptr<int8_t>();
   const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
@@ -185,13 +202,13 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const int64_t scratch_lines = (cpu::int8_scratch_bytes(blocks) + 63) / 64;
   // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<CacheLine> scratch;  // the worker's staged input quads and widened panel
+    thread_local std::vector<CacheLine> scratch;  // the worker's widened panel
     if (static_cast<int64_t>(scratch.size()) < scratch_lines) scratch.resize(scratch_lines);
     scratch[0] = CacheLine{};  // header: no panel widened yet in this call
     for (int64_t task = begin; task < end; ++task) {
       const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
       const int64_t column0 = panel * cpu::kInt8PanelColumns;
-      kernel.panel(x + row0 * x_values.size(1), x_values.size(1), xs + row0 * blocks,
+      kernel.panel(x + row0 * x_stride, x_stride, xs + row0 * blocks,
                    std::min(kRowsPerTask, rows - row0), blocks, w + panel * panel_values,
                    ws + panel * panel_scales, wsum + panel * panel_scales, b == nullptr ? nullptr : b + column0,
                    o + row0 * out.stride(0) + column0, out.stride(0),
@@ -218,7 +235,7 @@ void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::T
   if (bias.has_value()) check_exact(*bias, out.scalar_type(), {out_features}, "bias");
 }
 
-// int8_linear over checked arguments, x_values staged for `kernels` (XORed with its input_xor).
+// int8_linear over checked arguments, x_values staged for `kernels` (staged_inputs).
 void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
             const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
             const std::optional<at::Tensor>& bias) {
@@ -255,9 +272,7 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
                      const std::optional<at::Tensor>& bias) {
   check_linear(out, x_values, x_scales, values, scales, sums, bias);
   const cpu::Int8Kernels& kernels = active_int8_kernels();
-  const bool read_as_given = kernels.input_xor == 0 || out.size(0) == 0;
-  linear(kernels, out, read_as_given ? x_values : staged_inputs(x_values, kernels.input_xor), x_scales, values, scales,
-         sums, bias);
+  linear(kernels, out, staged_inputs(kernels, x_values, /*xored=*/false), x_scales, values, scales, sums, bias);
 }
 
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
@@ -270,11 +285,11 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                    "int8_quantize_linear: input and out must have one dtype, got ", dtype_name(input.scalar_type()),
                    " and ", dtype_name(out.scalar_type()));
   check_rows(input, "int8_quantize_rows", "input");
-  // One kernel table for both steps: the quantized rows come out staged for it.
+  // One kernel table for both steps: the quantized rows come out XORed for it.
   const cpu::Int8Kernels& kernels = active_int8_kernels();
   const auto [x_values, x_scales] = quantize(kernels, input, kernels.input_xor);
   check_linear(out, x_values, x_scales, values, scales, sums, bias);
-  linear(kernels, out, x_values, x_scales, values, scales, sums, bias);
+  linear(kernels, out, staged_inputs(kernels, x_values, /*xored=*/true), x_scales, values, scales, sums, bias);
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }

@@ -1,10 +1,8 @@
 // The int8 linear kernel over block-quantized panels (layouts: int8_kernel_api.h), written
 // once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
 //   kI8InputXor                           the byte the driver XORs every input with first
-//   StagedQuad stage_quad(const int8_t*)  one row's 4 inputs in the form the tier broadcasts
-//   I8Input i8_broadcast(StagedQuad)      that quad in every lane
-//   I8Input i8_input(const int8_t*)       a row's quad in every lane, as staging would give it
-//   kI8InputsFromRows                     whether the kernel uses i8_input (no staging pass)
+//   kI8InputBytes                         1, or 2 where the driver sign-extends them to int16
+//   I8Input i8_input(const int8_t*)       a row's quad (4 inputs as staged) in every lane
 //   I8Acc i8_start(const int16_t* sums)   16 columns' int32 accumulators at a block's start
 //   I8Weights i8_load(const int8_t*)      16 columns x 4 inputs of a quad row (and, on tiers
 //                                         that define CONTBATCH_I8_WIDENS, from int16 too)
@@ -15,7 +13,7 @@
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
 // A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16,
-// its input quads broadcast from the rows (kI8InputsFromRows: i8_input) or staged first:
+// its input quads broadcast from the rows as the driver staged them (int8_kernel_api.h):
 // per block, each quad row of weights loaded once feeds every row of the tile, the block's
 // int32 sums become fp32 once (times the two scales), and the fp32 sums over blocks are
 // rounded to the output type once.
@@ -25,29 +23,19 @@
 // inner loop is plain loads, multiply-adds and adds; fewer rows read the int8 panel, widening
 // as they go, since those calls are bound by reading the weights.
 
-static_assert(kI8TileRows <= kMaxInt8TileRows && sizeof(StagedQuad) <= 8, "int8 scratch too small");
+static_assert(kI8InputBytes == 1 || kI8InputBytes == 2, "inputs are staged as int8 or int16");
 #define CONTBATCH_PRAGMA_TEXT(text) #text
 #define CONTBATCH_UNROLL(n) _Pragma(CONTBATCH_PRAGMA_TEXT(GCC unroll n))
 constexpr int kI8TileColumns = kI8TileVectors * kLanes;
 static_assert(kInt8PanelColumns % kI8TileColumns == 0, "column tiles must divide a panel");
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
-
-// staged[(block * 8 + quad) * MR + m] = row m's quad; x_scale[block * MR + m] its block scale.
-template <int MR>
-inline void stage_quads(StagedQuad* staged, float* x_scale, const int8_t* x, int64_t x_stride,
-                        const float* x_scales, int64_t blocks) {
-  for (int m = 0; m < MR; ++m) {
-    const int8_t* row = x + m * x_stride;
-    for (int64_t q = 0; q < blocks * kInt8Quads; ++q) staged[q * MR + m] = stage_quad(row + 4 * q);
-    for (int64_t b = 0; b < blocks; ++b) x_scale[b * MR + m] = x_scales[m * blocks + b];
-  }
-}
+constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (int8, or widened
-// to int16), its scales and sums at `scales`, `sums`; input_at(quad, m) is row m's quad as
-// i8_broadcast gives it, x_scale_at(block, m) its block scale.
-template <int MR, class T, class W, class InputAt, class ScaleAt>
-inline void int8_tile(const InputAt& input_at, const ScaleAt& x_scale_at, int64_t blocks, const W* values,
+// to int16), its scales and sums at `scales`, `sums`; rows of staged inputs from x (x_stride
+// bytes apart), their block scales from x_scales ([MR][blocks]).
+template <int MR, class T, class W>
+inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t blocks, const W* values,
                       const uint16_t* scales, const int16_t* sums, const T* bias, T* out, int64_t out_stride,
                       int64_t columns) {
   constexpr int NV = kI8TileVectors;
@@ -68,14 +56,14 @@ inline void int8_tile(const InputAt& input_at, const ScaleAt& x_scale_at, int64_
       for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
       for (int v = 0; v < NV; ++v) prefetch_panel_ahead(quad_row + 4 * kLanes * v);
       for (int m = 0; m < MR; ++m) {
-        const I8Input input = input_at(b * kInt8Quads + q, m);
+        const I8Input input = i8_input(x + m * x_stride + (b * kInt8Quads + q) * kInputQuadBytes);
         for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);
       }
     }
     for (int v = 0; v < NV; ++v) {
       const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * v);
       for (int m = 0; m < MR; ++m) {
-        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scale_at(b, m))), acc[m][v]);
+        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scales[m * blocks + b])), acc[m][v]);
       }
     }
   }
@@ -85,50 +73,36 @@ inline void int8_tile(const InputAt& input_at, const ScaleAt& x_scale_at, int64_
 template <class T, class W>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
                     const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
-                    int64_t out_stride, int64_t columns, StagedQuad* staged, float* x_scale) {
+                    int64_t out_stride, int64_t columns) {
   for_row_tiles<kI8TileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
-    const auto run_tiles = [&](const auto& input_at, const auto& x_scale_at) {
-      for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
-        int8_tile<MR>(input_at, x_scale_at, blocks, values + 4 * c0, scales + c0, sums + c0,
-                      bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
-      });
-    };
-    if constexpr (kI8InputsFromRows) {  // no staging pass per panel (see the tier's section)
-      const int8_t* tile_x = x + r * x_stride;
-      const float* tile_scales = x_scales + r * blocks;
-      return run_tiles([&](int64_t quad, int m) { return i8_input(tile_x + m * x_stride + 4 * quad); },
-                       [&](int64_t block, int m) { return tile_scales[m * blocks + block]; });
-    }
-    stage_quads<MR>(staged, x_scale, x + r * x_stride, x_stride, x_scales + r * blocks, blocks);
-    run_tiles([&](int64_t quad, int m) { return i8_broadcast(staged[quad * MR + m]); },
-              [&](int64_t block, int m) { return x_scale[block * MR + m]; });
+    for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
+      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, blocks, values + 4 * c0, scales + c0,
+                    sums + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
+    });
   });
 }
 
-// Scratch: the header (which panel `wide` holds), the staged quads, their scales, then the
-// panel widened to int16, kept for the thread's next task on the same panel.
+// Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
+// the thread's next task on the same panel.
 template <class T>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
                 const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
-                int64_t out_stride, int64_t columns, void* scratch) {
-  char* bytes = static_cast<char*>(scratch);
-  auto* staged = reinterpret_cast<StagedQuad*>(bytes + kInt8ScratchHeader);
-  auto* x_scale = reinterpret_cast<float*>(bytes + kInt8ScratchHeader + blocks * kInt8Quads * kMaxInt8TileRows * 8);
+                int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
 #ifdef CONTBATCH_I8_WIDENS
   if (rows >= kI8WidenFromRows) {
+    char* bytes = static_cast<char*>(scratch);
     auto** widened_panel = reinterpret_cast<const int8_t**>(bytes);
-    auto* wide = reinterpret_cast<int16_t*>(x_scale + blocks * kMaxInt8TileRows);
+    auto* wide = reinterpret_cast<int16_t*>(bytes + kInt8ScratchHeader);
     if (*widened_panel != values) {
       for (int64_t i = 0; i < blocks * kInt8Block * kInt8PanelColumns; ++i) wide[i] = values[i];
       *widened_panel = values;
     }
     return int8_row_tiles(x, x_stride, x_scales, rows, blocks, static_cast<const int16_t*>(wide), scales, sums,
-                          bias, out, out_stride, columns, staged, x_scale);
+                          bias, out, out_stride, columns);
   }
 #endif
-  int8_row_tiles(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride, columns, staged,
-                 x_scale);
+  int8_row_tiles(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride, columns);
 }
 
 // 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).
@@ -179,4 +153,4 @@ constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_r
                                             &int8_quantize_kv_row<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
                                                &int8_quantize_kv_row<uint16_t>};
-constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputXor, &kInt8Fp32, &kInt8Bf16};
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputXor, kI8InputBytes, &kInt8Fp32, &kInt8Bf16};

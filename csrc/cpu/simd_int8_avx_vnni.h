@@ -25,8 +25,7 @@ struct I8Weights {
 constexpr int kI8TileRows = 4;
 constexpr int kI8TileVectors = 1;
 
-inline I8Input i8_broadcast(StagedQuad x) { return _mm256_set1_epi32(int(x)); }
-inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }  // q + 128, staged
+inline I8Input i8_input(const int8_t* x) { return _mm256_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(const int16_t* sums) {
   I8Acc acc;
   for (int h = 0; h < 2; ++h) {

@@ -3,8 +3,8 @@
 #pragma once
 
 constexpr uint8_t kI8InputXor = 0;  // the inputs as quantized (int8_kernel_api.h)
-using StagedQuad = uint32_t;  // the row's 4 int8 inputs
-using I8Input = StagedQuad;
+constexpr int kI8InputBytes = 1;
+using I8Input = uint32_t;  // the row's 4 int8 inputs
 struct I8Acc {
   int32_t columns[16];
 };
@@ -13,15 +13,12 @@ using I8Weights = const int8_t*;
 constexpr int kI8TileRows = 4;
 constexpr int kI8TileVectors = 4;
 
-inline StagedQuad stage_quad(const int8_t* x) {
-  StagedQuad quad;
+#define CONTBATCH_I8_QUAD_UNROLL 1
+inline I8Input i8_input(const int8_t* x) {
+  I8Input quad;
   std::memcpy(&quad, x, sizeof quad);
   return quad;
 }
-inline I8Input i8_broadcast(StagedQuad x) { return x; }
-constexpr bool kI8InputsFromRows = false;
-#define CONTBATCH_I8_QUAD_UNROLL 1
-inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }
 inline I8Acc i8_start(const int16_t*) { return {}; }
 inline I8Weights i8_load(const int8_t* w) { return w; }
 inline void i8_dot(I8Acc& acc, I8Weights w, I8Input x) {

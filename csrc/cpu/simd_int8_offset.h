@@ -9,15 +9,14 @@
 // Zen 5, SmolLM2's projections at 64 rows took 18.7-21 ms with it and 14.0-14.8 without.
 constexpr uint8_t kI8InputXor = 0x80;
 
-using StagedQuad = uint32_t;  // q + 128, 4 unsigned bytes (as the driver staged them)
+constexpr int kI8InputBytes = 1;  // each input one byte, q + 128
 
-inline StagedQuad stage_quad(const int8_t* x) {
+// A row's quad at x: 4 unsigned bytes, q + 128 (as the driver staged them).
+inline uint32_t i8_quad(const int8_t* x) {
   uint32_t bits;
   std::memcpy(&bits, x, sizeof bits);
   return bits;
 }
-// The quads are staged already: the kernel broadcasts them from the rows.
-constexpr bool kI8InputsFromRows = true;
 // The quad loop unrolled whole (a block's 8 quads): GCC otherwise kept every accumulator in
 // two registers and copied it twice an iteration around the tied operand of vpdpbusd. On Zen 5
 // (2 threads, SmolLM2's projections at 256 rows) the AVX-512 VNNI kernel ran 1.27x faster

@@ -16,8 +16,7 @@ using I8Weights = __m512i;  // lane i: the column's 4 weights
 constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
 
-inline I8Input i8_broadcast(StagedQuad x) { return _mm512_set1_epi32(int(x)); }
-inline I8Input i8_input(const int8_t* x) { return i8_broadcast(stage_quad(x)); }  // q + 128, staged
+inline I8Input i8_input(const int8_t* x) { return _mm512_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(const int16_t* sums) {
   const __m512i sum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));

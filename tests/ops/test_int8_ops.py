@@ -9,6 +9,10 @@ vpmaddwd, portable C++), and the rule that picks one for each ISA tier:
 - weight quantization round trip: each element within half a step of its block's scale.
 """
 
+import os
+import subprocess
+import sys
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -179,3 +183,23 @@ def test_a_kernel_the_cpu_cannot_run_is_refused_naming_those_it_can():
     with pytest.raises(ValueError, match="cannot run the int8 kernel 'avx9'; it can run: auto, generic"):
         with ops.use_int8_kernel("avx9"):
             pass
+
+
+def _int8_kernel_in_a_fresh_process(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONTBATCH_INT8_KERNEL": value}
+    return subprocess.run([sys.executable, "-c", "from contbatch import ops; print(ops.int8_kernel_isa())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("kernel", SUPPORTED_INT8_KERNELS)
+def test_the_environment_variable_chooses_the_int8_kernel_at_import(kernel):
+    run = _int8_kernel_in_a_fresh_process(kernel)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == kernel
+
+
+def test_an_int8_kernel_in_the_environment_the_cpu_cannot_run_is_refused_at_import():
+    run = _int8_kernel_in_a_fresh_process("avx9")
+    assert run.returncode != 0
+    assert "CONTBATCH_INT8_KERNEL=avx9" in run.stderr
+    assert "it can run: auto, generic" in run.stderr
