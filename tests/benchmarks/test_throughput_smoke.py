@@ -127,3 +127,25 @@ def test_int8_details_compare_small_batch_decode_steps():
     line = _int8_details(int8, unquantized)
     assert "1 running 6.0 against 10.0 ms (0.60x)" in line
     assert "1-8 running 9.0 against 15.0 ms (0.60x)" in line
+
+
+def test_int8_dtype_runs_int8_beside_another_unquantized_dtype_in_one_run(smollm_dir, tmp_path):
+    from _report import markdown_section
+
+    command = [
+        sys.executable, str(BENCHMARKS / "throughput.py"),
+        "--systems", "contbatch,contbatch_int8", "--dtype", "fp32", "--int8-dtype", "bf16",
+        "--model", str(smollm_dir), "--limit", "2", "--max-tokens-cap", "4",
+        "--decode-batch", "0", "--matmul-size", "128", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    systems = report["systems"]
+    assert systems["contbatch"]["config"]["dtype"] == "fp32"
+    assert systems["contbatch_int8"]["config"]["dtype"] == "bf16"
+    section = markdown_section(report)
+    assert "| contbatch, int8 weights and activations, bf16 elsewhere |" in section
+    assert "| contbatch |" in section
+    assert "int8 against contbatch (int8 with bf16 elsewhere, contbatch in fp32)" in section
