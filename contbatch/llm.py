@@ -13,6 +13,7 @@ from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.interrupts import StepInterrupts
+from contbatch.models.gguf import has_q8_0_layers, is_gguf_file
 from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
 from contbatch.prompts import (
@@ -49,7 +50,8 @@ class LLM:
             contbatch[gguf]``), config and tokenizer read from it: on the CPU its Q8_0 linear
             layers (and a tied LM head over a Q8_0 embedding table) run on the int8 kernels as
             stored; other tensor types (Q4_K, F16, ...) load dequantized into ``dtype``.
-        dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU),
+        dtype: "auto" (bf16 on CPUs and GPUs with native bf16, else fp32 on CPU; bf16 on any
+            CPU around int8 linear weights: ``quantization="int8"`` or a GGUF file's Q8_0 layers),
             "float32", "bfloat16", or "float16" (GPU only: refused on CPU, where it is ~300x slower).
         device: "auto", "cpu" or "cuda". "auto" is the GPU when torch sees one, except with
             ``quantization`` or ``kv_cache_dtype="int8"``, which run on the CPU only (an
@@ -124,7 +126,8 @@ class LLM:
             raise TypeError(f"model must be a path to a model directory or GGUF file, got {type(model).__name__}")
         resolved_device = resolve_device(device, config.cpu_only_settings())
         config.block_size = resolve_block_size(config.block_size, resolved_device)
-        self.dtype = resolve_dtype(dtype, resolved_device)
+        int8_weights = dtype == "auto" and _int8_weights(Path(model), config)  # the file is read only for "auto"
+        self.dtype = resolve_dtype(dtype, resolved_device, int8_weights)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(
             self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params
@@ -365,6 +368,14 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
             return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None
+
+
+def _int8_weights(model: Path, config: EngineConfig) -> bool:
+    """Whether the linear layers will hold int8 weights: quantization="int8", or a GGUF file
+    whose layers are Q8_0 (its metadata read, not its tensors)."""
+    if config.quantization == "int8":
+        return True
+    return is_gguf_file(model) and has_q8_0_layers(model)
 
 
 def _params_iterator(

@@ -40,6 +40,12 @@ def is_gguf_file(path: Path) -> bool:
     return path.suffix.lower() == ".gguf" and not path.is_dir()
 
 
+def has_q8_0_layers(path: Path) -> bool:
+    """Whether the file's layers hold Q8_0 tensors (which the CPU runs on its int8 kernels);
+    reads the metadata only."""
+    return any(tensor.tensor_type.name == "Q8_0" and tensor.name.startswith("blk.") for tensor in _reader(path).tensors)
+
+
 def read_gguf_config(path: Path) -> ModelConfig:
     """The config of a GGUF file's model: the one the Hugging Face directory converted from
     it would give. ValueError naming the file when it is unreadable, of an architecture we

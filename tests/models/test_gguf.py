@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from contbatch import LLM, SamplingParams
+from contbatch import LLM, SamplingParams, ops
 from contbatch.cli import main
 from contbatch.engine.tokenizer import load_tokenizer
 from contbatch.models.config import ModelConfig
@@ -237,3 +237,12 @@ def test_cli_generates_from_a_gguf_file(q8_0_gguf, tmp_path):
     assert main(["generate", "-i", str(source), "-o", str(output), "-m", str(q8_0_gguf), "--dtype", "float32",
                  "--temperature", "0", "--max-tokens", "3", "--max-model-len", "64"]) == 0
     assert sorted(json.loads(line)["id"] for line in output.read_text().splitlines()) == [0, 1, 2]
+
+
+@pytest.mark.skipif("avx2" not in ops.supported_cpu_isas(), reason="needs a tier where unquantized 'auto' is fp32")
+def test_auto_dtype_is_bf16_for_a_gguf_with_q8_0_layers(q8_0_gguf, tmp_path):
+    dense = write_gguf(q8_0_gguf, tmp_path / "f32.gguf", 2, lambda name, values: "F32")
+    settings = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
+    with ops.use_cpu_isa("avx2"):
+        assert LLM(q8_0_gguf, **settings).dtype == torch.bfloat16
+        assert LLM(dense, **settings).dtype == torch.float32
