@@ -191,8 +191,9 @@ def cpu_serves_bf16() -> bool:
     With int8 linear weights the matmuls are int8 whatever the dtype, so the rest (attention,
     norms, the KV cache) is cheaper in bf16 on every tier: chat256 with int8 weights ran
     faster with bf16 than with fp32 around them on each CPU measured (Emerald Rapids 630.9
-    against 529.2 output tok/s; Zen 5 with the AVX2 tier forced 529.8 against 496.9), at
-    +0.65% perplexity against the fp32 model (+0.56% with fp32 around the int8 matmuls)."""
+    against 529.2 output tok/s; Zen 5 with the AVX2 tier forced 522.8 against 482.8 in runs
+    beside fp32 at 396.0 and 398.2), at +0.65% perplexity against the fp32 model (+0.56%
+    with fp32 around the int8 matmuls)."""
     if ops.cpu_isa() is not None:
         return ops.cpu_isa() == "avx512_bf16"
     try:

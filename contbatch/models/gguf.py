@@ -43,7 +43,7 @@ def is_gguf_file(path: Path) -> bool:
 def has_q8_0_layers(path: Path) -> bool:
     """Whether the file's layers hold Q8_0 tensors (which the CPU runs on its int8 kernels);
     reads the metadata only."""
-    return any(tensor.tensor_type.name == "Q8_0" and tensor.name.startswith("blk.") for tensor in _reader(path).tensors)
+    return any(_is_q8_0(tensor.tensor_type) and tensor.name.startswith("blk.") for tensor in _reader(path).tensors)
 
 
 def read_gguf_config(path: Path) -> ModelConfig:
@@ -75,7 +75,7 @@ class GGUFTensor:
 
     @property
     def is_q8_0(self) -> bool:
-        return self.tensor_type.name == "Q8_0"
+        return _is_q8_0(self.tensor_type)
 
     def dense(self) -> torch.Tensor:
         """The values in fp32 (exact for Q8_0: an int8 times an fp16 fits fp32's mantissa)."""
@@ -173,6 +173,11 @@ def _check_tensor_types(reader: "gguf_py.GGUFReader", path: Path) -> None:
             raise ValueError(f"GGUF tensor {tensor.name!r} in {str(path)!r} is of type {tensor.tensor_type.name}, "
                              "which contbatch cannot serve; it reads Q8_0 (into the int8 kernels) and the types "
                              "gguf-py dequantizes (F32, F16, BF16, Q4_0 to Q6_K, IQ*, ...)")
+
+
+def _is_q8_0(tensor_type: "gguf_py.GGMLQuantizationType") -> bool:
+    """Q8_0: the int8 kernels' own block format (module docstring)."""
+    return tensor_type.name == "Q8_0"
 
 
 @functools.cache

@@ -80,9 +80,8 @@ def _choose_isa_from_environment() -> None:
     isa = os.environ.get("CONTBATCH_CPU_ISA", "auto")
     int8_kernel = os.environ.get("CONTBATCH_INT8_KERNEL", "auto")
     if _native is None:
-        for variable, value, allowed in (("CONTBATCH_CPU_ISA", isa, "generic"),
-                                         ("CONTBATCH_INT8_KERNEL", int8_kernel, "generic")):
-            if value not in ("auto", "", allowed):
+        for variable, value in (("CONTBATCH_CPU_ISA", isa), ("CONTBATCH_INT8_KERNEL", int8_kernel)):
+            if value not in ("auto", "", "generic"):
                 raise ValueError(f"{variable}={value}: the C++ extension is not built, so only the "
                                  "PyTorch reference ops run; unset it or build the extension")
         return
