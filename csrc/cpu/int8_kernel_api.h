@@ -58,6 +58,7 @@ struct Int8Kernels {
   // int16 (AVX2's vpmaddwd), sign-extended.
   uint8_t input_xor;
   uint8_t input_bytes;
+  int64_t tile_rows;  // rows of the panel kernel's register tile: the driver's unit of work (panel_runs.h)
   const Int8TypedKernels<float>* fp32;
   const Int8TypedKernels<uint16_t>* bf16;
 };

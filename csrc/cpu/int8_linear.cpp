@@ -1,6 +1,6 @@
 // CPU driver of the int8 ops (layouts: int8_kernel_api.h): activation quantization, threads
-// over rows; the int8 linear, threads over (panel, block of rows) tasks. Each runs the int8
-// kernels that go with the active ISA tier (cpu_isa.h).
+// over rows; the int8 linear, threads over equal shares of (panel, row tile) units
+// (panel_runs.h). Each runs the int8 kernels that go with the active ISA tier (cpu_isa.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,16 +19,13 @@
 #include "../ops.h"
 #include "cpu_isa.h"
 #include "int8_kernel_api.h"
+#include "panel_runs.h"
 
 namespace contbatch {
 namespace {
 
-struct alignas(64) CacheLine {
-  char bytes[64];
-};
-
-// Rows per task, as bf16_linear (linear.cpp): a panel stays in L2 while a thread runs its row blocks.
-constexpr int64_t kRowsPerTask = 48;
+// Rows per kernel call at most, as bf16_linear (linear.cpp).
+constexpr int64_t kRowsPerRun = 48;
 
 bool cpu_has_avx512_vnni() {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -198,23 +195,15 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const auto* wsum = sums.data_ptr<int16_t>();
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
-  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t scratch_lines = (cpu::int8_scratch_bytes(blocks) + 63) / 64;
-  // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
-  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<CacheLine> scratch;  // the worker's widened panel
-    if (static_cast<int64_t>(scratch.size()) < scratch_lines) scratch.resize(scratch_lines);
-    scratch[0] = CacheLine{};  // header: no panel widened yet in this call
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
-      const int64_t column0 = panel * cpu::kInt8PanelColumns;
-      kernel.panel(x + row0 * x_stride, x_stride, xs + row0 * blocks,
-                   std::min(kRowsPerTask, rows - row0), blocks, w + panel * panel_values,
-                   ws + panel * panel_scales, wsum + panel * panel_scales, b == nullptr ? nullptr : b + column0,
-                   o + row0 * out.stride(0) + column0, out.stride(0),
-                   std::min(cpu::kInt8PanelColumns, out_features - column0), scratch.data());
-    }
-  });
+  for_panel_runs(rows, panels, kernels.tile_rows, kRowsPerRun, cpu::int8_scratch_bytes(blocks),
+                 [&](PanelRun run, void* scratch) {
+                   const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
+                   kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, run.rows, blocks,
+                                w + run.panel * panel_values, ws + run.panel * panel_scales,
+                                wsum + run.panel * panel_scales, b == nullptr ? nullptr : b + column0,
+                                o + run.row0 * out.stride(0) + column0, out.stride(0),
+                                std::min(cpu::kInt8PanelColumns, out_features - column0), scratch);
+                 });
 }
 
 void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,

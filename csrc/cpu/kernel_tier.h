@@ -9,5 +9,5 @@
 #include "linear_kernel.h"
 
 constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>};
-constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel};
+constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel, kLinearTileRows};
 constexpr KernelSet kTierTable{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};

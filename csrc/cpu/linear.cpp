@@ -1,6 +1,6 @@
 // CPU driver of the bf16 linear op over panel-packed weights (layout: linear_kernel_api.h):
-// argument checks, threads over (panel, block of rows) tasks, each on the active ISA
-// tier's kernel (cpu_isa.h).
+// argument checks, threads over equal shares of (panel, row tile) units (panel_runs.h),
+// each on the active ISA tier's kernel (cpu_isa.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -12,18 +12,15 @@
 #include "../op_checks.h"
 #include "../ops.h"
 #include "cpu_isa.h"
+#include "panel_runs.h"
 #include "linear_kernel_api.h"
 
 namespace contbatch {
 namespace {
 
-struct alignas(64) CacheLine {
-  char bytes[64];
-};
-
-// Rows per task. A panel's weights (64 columns x in_features) stay in L2 while a thread
-// runs its row blocks, and blocks of 48 rows split a few wide panels evenly over threads.
-constexpr int64_t kRowsPerTask = 48;
+// Rows per kernel call at most: a panel's weights (64 columns x in_features) stay in L2
+// across a thread's consecutive calls on it (panel_runs.h).
+constexpr int64_t kRowsPerRun = 48;
 
 void check_bf16_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "bf16_linear: ", name, " must be torch.bfloat16, got ",
@@ -61,23 +58,16 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
   const auto* x = static_cast<const uint16_t*>(input.data_ptr());
   const auto* weight = static_cast<const uint16_t*>(packed_weight.data_ptr());
   auto* o = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t row_blocks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
-  // Task t = (panel, row block), panel-major: a thread's consecutive tasks share a panel.
-  const int64_t scratch_lines = (cpu::linear_scratch_bytes(in_features) + 63) / 64;
-  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<CacheLine> scratch;  // the worker's staged inputs and widened panel
-    if (static_cast<int64_t>(scratch.size()) < scratch_lines) scratch.resize(scratch_lines);
-    scratch[0] = CacheLine{};  // header: no panel widened yet in this call
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t panel = task / row_blocks, row0 = (task % row_blocks) * kRowsPerTask;
-      const int64_t column0 = panel * cpu::kPanelColumns;
-      kernels.bf16_panel(x + row0 * input.stride(0), input.stride(0), std::min(kRowsPerTask, rows - row0),
-                         in_features, weight + panel * panel_elements,
-                         bias_data == nullptr ? nullptr : bias_data + column0, o + row0 * out.stride(0) + column0,
-                         out.stride(0), std::min(cpu::kPanelColumns, out_features - column0), scratch.data());
-    }
-  });
+  for_panel_runs(rows, panels, kernels.tile_rows, kRowsPerRun, cpu::linear_scratch_bytes(in_features),
+                 [&](PanelRun run, void* scratch) {
+                   const int64_t column0 = run.panel * cpu::kPanelColumns;
+                   kernels.bf16_panel(x + run.row0 * input.stride(0), input.stride(0), run.rows, in_features,
+                                      weight + run.panel * panel_elements,
+                                      bias_data == nullptr ? nullptr : bias_data + column0,
+                                      o + run.row0 * out.stride(0) + column0, out.stride(0),
+                                      std::min(cpu::kPanelColumns, out_features - column0), scratch);
+                 });
 }
 
 }  // namespace contbatch

@@ -30,6 +30,7 @@ struct LinearKernels {
   // its header zeroed by the driver before the thread's first task of the call.
   void (*bf16_panel)(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
                      const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch);
+  int64_t tile_rows;  // rows of its register tile: the driver's unit of work (panel_runs.h)
 };
 
 }  // namespace contbatch::cpu
