@@ -37,7 +37,10 @@ class StructuredOutputsParams:
             unless the schema's ``"x-guidance"`` options say otherwise (see ``JSON_OPTIONS``).
 
     Regexes and schemas are checked against llguidance when the request is added
-    (``ValueError`` with its reason); the fields' types are checked here.
+    (``ValueError`` with its reason): compiled, and their first token mask computed, so a
+    grammar past llguidance's limits is refused before any work starts. Capturing groups
+    are passed on as non-capturing (the same strings match). The fields' types are checked
+    here.
     """
 
     choice: tuple[str, ...] | list[str] | None = None

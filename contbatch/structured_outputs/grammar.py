@@ -8,6 +8,7 @@ words, bit ``i % 32`` of word ``i // 32``), unpacked here to bool rows.
 import functools
 import json
 import logging
+import re
 
 import llguidance
 import llguidance.hf
@@ -27,6 +28,12 @@ logger = logging.getLogger(__name__)
 # "item_separator": ",", "key_separator": ":"}.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_CACHE_SIZE = 256
+# llguidance caps the lexer work of one token mask ("fuel", about 14k units a millisecond).
+# Its default, 200k, failed the very first mask of plausible short regexes such as
+# "((?:yes)|[a-z]{1,3}[a-c0-2_](?:yes)|[aeiou]?.{1,3}[a-z]{1,3}){1,2}" (found by hypothesis:
+# "too many expressions constructed", so every sample ended empty); 10x that served them in
+# 3-6 ms and still bounds a pathological mask at about 0.15 s.
+STEP_LEXER_FUEL = 2_000_000
 
 
 def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -37,8 +44,46 @@ def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
         alternatives = " | ".join(literals)
         return "choice", llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     if params.regex is not None:
-        return "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)
+        return "regex", llguidance.LLMatcher.grammar_from_regex(non_capturing(params.regex))
     return "json", llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+
+
+def non_capturing(regex: str) -> str:
+    """``regex`` with every capturing group, named or not, made non-capturing: the same
+    strings match, and groups capture nothing in a constrained output anyway. llguidance
+    1.9.1 panics on some alternations of captured literals ("yesyes|yes(yes)": "called
+    `Option::unwrap()` on a `None` value") and serves their non-capturing form."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\":
+            out.append(regex[i : i + 2])  # an escape, whatever it escapes
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            # A "]" right after "[" or "[^" is a literal member, not the class's end.
+            start = i + 1 + (regex[i + 1 : i + 2] == "^")
+            if regex[start : start + 1] == "]":
+                out.append(regex[i : start + 1])
+                i = start + 1
+                continue
+        elif char == "(":
+            name = re.match(r"\(\?P?<(?![=!])\w+>", regex[i:])  # (?P<name> or (?<name>, not lookbehind
+            if name is not None:
+                out.append("(?:")
+                i += name.end()
+                continue
+            if not regex.startswith("(?", i):
+                out.append("(?:")
+                i += 1
+                continue
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 class GrammarCompiler:
@@ -71,9 +116,17 @@ class GrammarCompiler:
 
     def _compile_uncached(self, field: str, grammar: str) -> llguidance.LLMatcher:
         # A template matcher: copying it (~1 us) is far cheaper than building one (~0.5 ms).
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        limits = llguidance.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL)
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         if template.is_error():
             raise ValueError(f"structured_outputs.{field} is invalid: {template.get_error()}")
+        # The first mask, on a copy: a grammar past llguidance's limits fails here, before any
+        # work starts, rather than on every sample at its first step.
+        first = template.deep_copy()
+        llguidance.torch.fill_next_token_bitmask(first, llguidance.torch.allocate_token_bitmask(1, self.vocab_size))
+        if first.is_error():
+            reason = first.get_error().splitlines()[0]  # then llguidance's state dump
+            raise ValueError(f"structured_outputs.{field} is too complex for llguidance's limits: {reason}")
         for warning in template.get_grammar_warnings():
             logger.warning("structured_outputs.%s: %s", field, warning)
         return template

@@ -1,12 +1,17 @@
 """GrammarMatcher and GrammarCompiler behaviour the engine relies on: masks, EOS, accept, batching."""
 
+import re
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contbatch.layers.sampler import _apply_masks
-from contbatch.structured_outputs import StructuredOutputsParams
-from contbatch.structured_outputs.grammar import GrammarCompiler, blocked_tokens
+from contbatch.structured_outputs import StructuredOutputsParams, grammar
+from contbatch.structured_outputs.grammar import GrammarCompiler, blocked_tokens, non_capturing
 from tests.structured.conftest import EOS_ID, VOCAB_SIZE
+from tests.structured.test_random_walks import _regexes
 
 YES_NO = StructuredOutputsParams(choice=["yes", "no"])
 PERSON = StructuredOutputsParams(
@@ -123,3 +128,60 @@ def test_compiler_refuses_missing_or_out_of_range_eos(tokenizer):
         GrammarCompiler(tokenizer, VOCAB_SIZE, frozenset())
     with pytest.raises(ValueError, match="EOS token ids"):
         GrammarCompiler(tokenizer, VOCAB_SIZE, frozenset({VOCAB_SIZE}))
+
+
+# llguidance 1.9.1 panicked compiling these ("called `Option::unwrap()` on a `None` value");
+# their non-capturing forms compile (found by hypothesis in the engine test).
+CAPTURED_ALTERNATIONS = ["yesyes|yes(yes)", "(?:yes)(?:yes)|(?:yes)((?:yes))", "abc|a(bc)", "yesyes|(?P<w>yes)yes"]
+
+
+@pytest.mark.parametrize("regex", CAPTURED_ALTERNATIONS)
+def test_regexes_with_capturing_groups_compile_and_match_only_their_strings(tokenizer, compiler, regex):
+    matcher = compiler.matcher(StructuredOutputsParams(regex=regex))
+    text = re.sub(r"\(\?P<\w+>|\(\?:|[()]", "", regex.split("|")[0])  # the first alternative's string
+    accept_text(tokenizer, matcher, text)
+    assert matcher.is_finished and re.fullmatch(regex, text)
+    with pytest.raises(ValueError, match="not allowed"):
+        compiler.matcher(StructuredOutputsParams(regex=regex)).accept(tokenizer.encode("no")[0])
+
+
+@given(regex=_regexes(), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_non_capturing_matches_the_same_strings_and_captures_nothing(regex, data):
+    rewritten = non_capturing(regex)
+    assert re.compile(rewritten).groups == 0
+    for original, other in ((regex, rewritten), (rewritten, regex)):
+        text = data.draw(st.from_regex(original, fullmatch=True))
+        assert re.fullmatch(other, text), (text, original, other)
+
+
+@pytest.mark.parametrize(
+    "regex, expected",
+    [
+        (r"(a)(?:b)(?P<n>c)(?<m>d)", r"(?:a)(?:b)(?:c)(?:d)"),
+        (r"(?=a)(?!b)(?<=c)(?<!d)(e)", r"(?=a)(?!b)(?<=c)(?<!d)(?:e)"),  # lookaround left alone
+        (r"\((x)\)", r"\((?:x)\)"),  # escaped parentheses are literals
+        (r"[(][^(]x[]()](y)[\]()](z)", r"[(][^(]x[]()](?:y)[\]()](?:z)"),  # so are class members
+    ],
+)
+def test_non_capturing_rewrites_groups_only(regex, expected):
+    assert non_capturing(regex) == expected
+
+
+# With llguidance's default lexer fuel (200k) the first mask of this regex failed ("too
+# many expressions constructed"), so every sample ended empty; with STEP_LEXER_FUEL it serves.
+FUEL_HUNGRY = "((?:yes)|((?:yes)|[a-z]{1,3}[a-c0-2_](?:yes))|((?:no)|[aeiou]?.{1,3}[a-z]{1,3})[a-z]?){1,2}"
+
+
+def test_a_regex_past_the_default_lexer_fuel_serves(tokenizer, compiler):
+    matcher = compiler.matcher(StructuredOutputsParams(regex=FUEL_HUNGRY))
+    assert matcher.allowed_tokens().any() and matcher.error is None
+    accept_text(tokenizer, matcher, "yesno")
+    assert matcher.error is None and re.fullmatch(FUEL_HUNGRY, "yesno")
+
+
+def test_a_grammar_past_the_lexer_limits_is_refused_when_validated(tokenizer, monkeypatch):
+    monkeypatch.setattr(grammar, "STEP_LEXER_FUEL", 200_000)  # llguidance's default
+    compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, frozenset([EOS_ID]))
+    with pytest.raises(ValueError, match=r"structured_outputs.regex is too complex .*too many expressions"):
+        compiler.validate(StructuredOutputsParams(regex=FUEL_HUNGRY))
