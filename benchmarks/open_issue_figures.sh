@@ -4,12 +4,13 @@
 # issue 19: int8 against the best unquantized dtype (the fp32 run's int8 system in bf16
 # outside its int8 matmuls, int8's faster setting wherever measured, so that where fp32 is
 # the faster unquantized dtype, as on AVX2 CPUs, the ratio comes from one run), and the
-# linear layers behind it, int8 beside bf16, and with an int8 KV cache (its chat256 run's JSON goes to benchmarks/results/,
-# not into the docs); issue 20: long-prompt prefill against HF; and the attention and cache
-# kernels tables). They are only missing on AMD Zen 3 (family 25 model 1) and Zen 4 (model
-# 17): run it there, on an otherwise idle machine (nothing else running: timings are ratios
-# in one run). tests/benchmarks/test_open_issue_figures.py checks that every table has its
-# markers for both CPUs, so that a run there cannot stop at a missing one.
+# linear layers behind it, int8 beside bf16, and with an int8 KV cache (its chat256 run's
+# JSON goes to benchmarks/results/, not into the docs); issue 20: long-prompt prefill
+# against HF; and the attention and cache kernels tables). They are only missing on AMD
+# Zen 3 (family 25 model 1) and Zen 4 (model 17): run it there, on an otherwise idle
+# machine (nothing else running: timings are ratios in one run).
+# tests/benchmarks/test_open_issue_figures.py checks that every table has its markers for
+# both CPUs, so that a run there cannot stop at a missing one.
 #
 #   bash benchmarks/open_issue_figures.sh           # about 45 minutes, vLLM's install included
 #   bash benchmarks/open_issue_figures.sh --print   # only list the commands

@@ -33,11 +33,11 @@ template <class T>  // T: float or uint16_t (bf16 bits), the activations' and ou
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
   // be nullptr), x's rows (x_stride bytes apart) staged by the driver beforehand as the
-  // table's input_xor and input_bytes say (Int8Kernels): the int32 dot product of each block,
-  // times the row's and column's scales,
-  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
-  // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
-  // zeroed by the driver before the thread's first task of the call.
+  // table's input_xor and input_bytes say (Int8Kernels): the int32 dot product of each
+  // block, times the row's and column's scales, summed over blocks in fp32 and rounded to T
+  // once, after the bias. `scratch` holds int8_scratch_bytes(blocks), 64-byte aligned,
+  // private to the calling thread, its header zeroed by the driver before the thread's
+  // first task of the call.
   void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
                 const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, void* scratch);

@@ -24,9 +24,6 @@
 namespace contbatch {
 namespace {
 
-// Rows per kernel call at most, as bf16_linear (linear.cpp).
-constexpr int64_t kRowsPerRun = 48;
-
 bool cpu_has_avx512_vnni() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
@@ -195,7 +192,7 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const auto* wsum = sums.data_ptr<int16_t>();
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
-  for_panel_runs(rows, panels, kernels.tile_rows, kRowsPerRun, cpu::int8_scratch_bytes(blocks),
+  for_panel_runs(rows, panels, kernels.tile_rows, cpu::int8_scratch_bytes(blocks),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
                    kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, run.rows, blocks,

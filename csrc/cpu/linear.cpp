@@ -12,15 +12,11 @@
 #include "../op_checks.h"
 #include "../ops.h"
 #include "cpu_isa.h"
-#include "panel_runs.h"
 #include "linear_kernel_api.h"
+#include "panel_runs.h"
 
 namespace contbatch {
 namespace {
-
-// Rows per kernel call at most: a panel's weights (64 columns x in_features) stay in L2
-// across a thread's consecutive calls on it (panel_runs.h).
-constexpr int64_t kRowsPerRun = 48;
 
 void check_bf16_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "bf16_linear: ", name, " must be torch.bfloat16, got ",
@@ -59,7 +55,7 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
   const auto* weight = static_cast<const uint16_t*>(packed_weight.data_ptr());
   auto* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
-  for_panel_runs(rows, panels, kernels.tile_rows, kRowsPerRun, cpu::linear_scratch_bytes(in_features),
+  for_panel_runs(rows, panels, kernels.tile_rows, cpu::linear_scratch_bytes(in_features),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kPanelColumns;
                    kernels.bf16_panel(x + run.row0 * input.stride(0), input.stride(0), run.rows, in_features,

@@ -24,19 +24,22 @@ struct PanelRun {
   int64_t rows;
 };
 
-// Runs every panel x row tile of a call on the thread pool: each thread calls
-// run(PanelRun, scratch) over its range in order, at most max_run_rows rows a call, a panel
-// staying in L2 across its consecutive runs. `scratch`: scratch_bytes, 64-byte aligned,
-// private to the thread and kept across calls, its first 64 bytes (the kernels' header:
-// which panel the scratch holds widened) zeroed before the thread's first run of the call.
+// Rows per kernel call at most: a panel's weights (64 columns x in_features) stay in L2
+// across a thread's consecutive calls on it.
+constexpr int64_t kMaxPanelRunRows = 48;
+
+// Runs every panel x row tile of a call on the thread pool: each thread calls run(PanelRun,
+// scratch) over its range in order, at most kMaxPanelRunRows rows a call. `scratch`:
+// scratch_bytes, 64-byte aligned, private to the thread and kept across calls, its first 64
+// bytes (the kernels' header: which panel the scratch holds widened) zeroed before the
+// thread's first run of the call.
 template <class Run>
-void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t max_run_rows, int64_t scratch_bytes,
-                    const Run& run) {
+void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run) {
   struct alignas(64) CacheLine {
     char bytes[64];
   };
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;  // per panel
-  const int64_t max_run_tiles = std::max<int64_t>(1, max_run_rows / tile_rows);
+  const int64_t max_run_tiles = std::max<int64_t>(1, kMaxPanelRunRows / tile_rows);
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<CacheLine> scratch;
     scratch.resize(std::max<size_t>({scratch.size(), static_cast<size_t>((scratch_bytes + 63) / 64), 1}));
@@ -44,8 +47,7 @@ void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t max
     for (int64_t unit = begin; unit < end;) {
       const int64_t panel = unit / tiles, row0 = unit % tiles * tile_rows;
       const int64_t stop = std::min({end, (panel + 1) * tiles, unit + max_run_tiles});
-      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0},
-          static_cast<void*>(scratch.data()));
+      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0}, scratch.data());
       unit = stop;
     }
   });
