@@ -109,8 +109,11 @@ def _processor(model_dir: Path, **kwargs):
 
 
 def test_two_actors_match_one_llm_row_for_row_with_batches_overlapping(
-    ray_cluster, chat_model_dir, reference_llm, tmp_path
+    ray_cluster, chat_model_dir, reference_llm, tmp_path, monkeypatch
 ):
+    # Both actors up before the first batch: otherwise the first one ready can take all 32
+    # rows while the second still loads its model (seen once in CI: one actor's pid only).
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "wait_for_min_actors_s", 600)
     rows = _rows(32)
     processor = _processor(chat_model_dir, on_actor_start=_step_recorder(tmp_path))
     out = _by_id(processor(ray.data.from_items(rows)).take_all())
