@@ -219,3 +219,25 @@ def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, isa, smollm_dir,
         # order move them by a few steps. A wrong token scores many units below the argmax.
         assert float(gaps.max()) <= BF16_NEAR_TIE_TOL, f"gaps per token: {gaps.tolist()}"
 
+
+
+@pytest.mark.parametrize("kv_blocks", [16, 20])
+def test_parallel_samples_under_kv_pressure_match_hf(kv_blocks, tiny_model_dirs):
+    """n=3 samples share their prompt's blocks (a partly filled last one, copied on write)
+    while a cache of 16 or 20 blocks (a 192-token sequence needs 12) preempts them: a block
+    one sample copies from can be freed by a preemption and taken as another copy's
+    destination in the same step. Every sample is still HF's greedy output."""
+    model_dir = tiny_model_dirs["llama"]
+    rng = random.Random(kv_blocks)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(100)] for _ in range(3)]
+    llm = LLM(model_dir, skip_tokenizer_init=True, **_engine_kwargs(model_dir, dict(kv_blocks=kv_blocks), 192))
+    copies = []
+    llm.engine.add_stats_listener(lambda stats: copies.append(stats.num_copied_blocks))
+    params = SamplingParams(temperature=0, max_tokens=16, n=3, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    oracle = HFOracle(model_dir)
+    for prompt, output in zip(prompts, outputs):
+        expected = oracle.greedy(prompt, 16, None)
+        for sample in output.outputs:
+            assert_greedy_match(oracle, prompt, sample.token_ids, expected, NEAR_TIE_TOL)
+    assert llm.engine.stats.num_preemptions > 0 and sum(copies) > 0

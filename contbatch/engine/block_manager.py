@@ -281,8 +281,13 @@ class BlockManager:
         seq.num_registered = max(seq.num_registered, num_full)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies recorded since the last call, to be run one
+        after another in this order before the step's forward pass. Order matters: when a
+        preemption frees the source of a copy in the step that recorded it, the block can be
+        taken again as another copy's destination in the same step, after it was read.
+        Copies into blocks nobody holds any more (their sequence was preempted) are left out."""
         copies, self.pending_copies = self.pending_copies, []
-        return copies
+        return [(source, destination) for source, destination in copies if self.ref_counts[destination] > 0]
 
     def _new_seq(self) -> _SeqBlocks:
         return _SeqBlocks([_GroupBlocks() for _ in self.group_windows])

@@ -29,6 +29,23 @@ class RunnerOutput:
     model_s: float = 0.0  # time in the model's forward and logits
 
 
+def copy_waves(copies: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Ordered (source, destination) copies as calls of copy_blocks, which runs a call's copies
+    in parallel: a copy that would write a block the current call reads or writes, or read
+    one it writes, starts the next call. Almost every step needs one call at most."""
+    waves: list[list[tuple[int, int]]] = []
+    read: set[int] = set()
+    written: set[int] = set()
+    for source, destination in copies:
+        if not waves or destination in read or destination in written or source in written:
+            waves.append([])
+            read, written = set(), set()
+        waves[-1].append((source, destination))
+        read.add(source)
+        written.add(destination)
+    return waves
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,8 +68,8 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, masks: TokenMasks | None = None) -> RunnerOutput:
         """Run one step: the sampled token of every sequence that produced one, and requested logprobs."""
         self.batch.update(step)
-        if step.blocks_to_copy:
-            mapping = torch.tensor(step.blocks_to_copy, dtype=torch.int64, device=self.device)
+        for wave in copy_waves(step.blocks_to_copy):
+            mapping = torch.tensor(wave, dtype=torch.int64, device=self.device)
             ops.copy_blocks(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]), mapping)  # a block's every layer
         model_input = self.batch.prepare(step)
         metadata = [model_input.metadata[group] for group in self.layer_groups]

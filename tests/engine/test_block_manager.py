@@ -237,3 +237,37 @@ def test_freed_prefixes_within_the_reserve_stay_cached(reserve, num_prefixes, re
     for i in range(num_prefixes - kept, num_prefixes):
         assert manager.find_cached_prefix(99, [100 + i, 200 + i, 8]) != [], f"prefix {i} was evicted"
     assert manager.next_untouched <= 2 + reserve + 1
+
+
+def test_a_copy_source_freed_by_preemption_is_read_before_it_is_written_again():
+    """One step: a sample copies its shared partial block, the other holders of that block
+    are preempted (freed), and the freed block is taken as the destination of the next copy.
+    The copies come out in that order, and a copy whose sequence was freed is left out."""
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, lookahead_tokens=0,
+                           freed_block_reserve=0)
+    first = _request(0, [5, 6, 7, 8, 9, 10])  # one full block and a partial one
+    _compute(manager, first, 6)
+    second = _request(1, [20, 21])  # one partial block
+    _compute(manager, second, 2)
+    samples = []
+    for parent, seq_id in ((first, 2), (first, 3), (second, 4)):
+        manager.fork(parent.seq_id, seq_id, parent.num_computed_tokens)
+        sample = _request(seq_id, list(parent.token_ids))
+        sample.num_computed_tokens = parent.num_computed_tokens
+        samples.append(sample)
+    shared = manager.block_ids(first.seq_id)[1]
+    assert _allocate(manager, samples[0], 1)  # copies `shared`, still held by seqs 0 and 3
+    manager.free(first.seq_id)
+    manager.free(samples[1].seq_id)  # preempted: `shared` is free again
+    assert manager.ref_counts[shared] == 0
+    assert _allocate(manager, samples[2], 1)  # copies seq 1's block into the first free block
+    assert manager.block_ids(samples[2].seq_id)[0] == shared
+    doomed = _request(5, [30, 31, 32])
+    manager.fork(second.seq_id, doomed.seq_id, 2)
+    doomed.num_computed_tokens = 2
+    assert _allocate(manager, doomed, 1)
+    doomed_copy = manager.block_ids(doomed.seq_id)[0]
+    manager.free(doomed.seq_id)  # preempted after its copy was recorded
+    copies = manager.take_pending_copies()
+    assert copies == [(shared, manager.block_ids(samples[0].seq_id)[1]), (manager.block_ids(second.seq_id)[0], shared)]
+    assert all(destination != doomed_copy for _, destination in copies)

@@ -15,6 +15,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
 from contbatch.engine.block_manager import BlockManager
+from contbatch.engine.model_runner import copy_waves
 from contbatch.engine.request import Request
 from contbatch.engine.scheduler import Scheduler
 from contbatch.engine.scheduler_output import SchedulerOutput
@@ -49,11 +50,8 @@ class FakeRunner:
             assert new.seq_id not in self.seqs
             tables = [[] for _ in self.group_windows]
             self.seqs[new.seq_id] = _FakeSeq(new.request_id, new.sample_index, list(new.token_ids), tables)
-        for source, destination in step.blocks_to_copy:
-            for offset in range(self.block_size):
-                copied = self.slots.get(source * self.block_size + offset)
-                if copied is not None:
-                    self.slots[destination * self.block_size + offset] = copied
+        for wave in copy_waves(step.blocks_to_copy):
+            self._copy_in_parallel(wave)
         sampled = {}
         for item in step.scheduled:
             seq = self.seqs[item.seq_id]
@@ -73,6 +71,20 @@ class FakeRunner:
                 sampled[item.seq_id] = _next_token(seq)
                 seq.token_ids.append(sampled[item.seq_id])
         return sampled
+
+    def _copy_in_parallel(self, wave: list[tuple[int, int]]) -> None:
+        """As one copy_blocks call: every source read before any destination is written, which
+        is the same as copying in order only if no block is written twice or read and written."""
+        sources, destinations = [s for s, _ in wave], [d for _, d in wave]
+        assert len(set(destinations)) == len(destinations), "a destination twice in one copy_blocks call"
+        assert not set(sources) & set(destinations), "a block both read and written by one copy_blocks call"
+        size = self.block_size
+        read = [[self.slots.get(source * size + offset) for offset in range(size)] for source in sources]
+        for destination, values in zip(destinations, read):
+            for offset, value in enumerate(values):
+                self.slots.pop(destination * size + offset, None)
+                if value is not None:
+                    self.slots[destination * size + offset] = value
 
     def _slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -130,6 +142,7 @@ def workloads(draw):
         budget=draw(st.integers(1, 64)),
         prefix_caching=draw(st.booleans()),
         lookahead_tokens=draw(st.sampled_from([0, 1, 8, 512])),
+        freed_block_reserve=draw(st.sampled_from([None, 0])),  # 0: a freed block is reused at once
         prompts=_prompts(draw, count),
         max_tokens=[draw(st.integers(1, 40)) for _ in range(count)],
         n=[draw(st.integers(1, 3)) for _ in range(count)],
@@ -143,7 +156,7 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
     groups = w["group_windows"]
     # Pool blocks per group: one max_model_len sequence must fit in every group (as KVCacheSpec sizes it).
     manager = BlockManager(w["num_blocks"] * len(groups), w["block_size"], w["prefix_caching"], w["lookahead_tokens"],
-                           group_windows=groups)
+                           w["freed_block_reserve"], group_windows=groups)
     scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
     runner = FakeRunner(w["block_size"], groups)
     for index, (prompt, max_tokens, n) in enumerate(zip(w["prompts"], w["max_tokens"], w["n"])):
@@ -282,3 +295,23 @@ def test_a_running_request_grows_into_blocks_another_took_ahead():
     assert not scheduler.has_unfinished()
     assert preemptions == 0
     assert len(first.output_token_ids) == 28 and len(second.output_token_ids) == 8
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)).filter(lambda c: c[0] != c[1]), max_size=12))
+def test_copy_waves_run_in_parallel_as_the_copies_run_in_order(copies):
+    """Splitting ordered copies into copy_blocks calls: each call is safe to run in parallel,
+    and running the calls one after another leaves every block as copying in order does."""
+    in_order = list(range(8))  # block -> the block whose original content it holds
+    for source, destination in copies:
+        in_order[destination] = in_order[source]
+    in_waves = list(range(8))
+    waves = copy_waves(copies)
+    for wave in waves:
+        destinations = [d for _, d in wave]
+        assert wave and len(set(destinations)) == len(destinations)
+        assert not {s for s, _ in wave} & set(destinations)
+        read = [in_waves[source] for source, _ in wave]
+        for destination, content in zip(destinations, read):
+            in_waves[destination] = content
+    assert in_waves == in_order
+    assert [c for wave in waves for c in wave] == copies
