@@ -30,6 +30,7 @@ _READ_BYTES = 1 << 20
 class _JournalIndex:
     offsets: dict = field(default_factory=dict)  # id -> byte offset of its result line, in journal order
     completion_fields: set = field(default_factory=set)
+    prompt_logprobs: bool = False  # some result has them
 
 
 def check_replaceable(output: Path) -> None:
@@ -51,7 +52,8 @@ def write_parquet(journal: Path, output: Path, input_ids: Iterable) -> bool:
         return False
     index = _index(journal)
     int_ids = ids_fit_int64(index.offsets)
-    schema = results_schema(pyarrow, int_ids, index.completion_fields).with_metadata({JOURNAL_DIGEST_KEY: digest})
+    schema = results_schema(pyarrow, int_ids, index.completion_fields, index.prompt_logprobs)
+    schema = schema.with_metadata({JOURNAL_DIGEST_KEY: digest})
     temporary = output.with_name(output.name + ".tmp")
     try:
         with open(journal, "rb") as source, open(temporary, "wb") as sink:
@@ -95,6 +97,7 @@ def _index(journal: Path) -> _JournalIndex:
             index.offsets[result["id"]] = offset
             for completion in result["outputs"]:
                 index.completion_fields.update(completion)
+            index.prompt_logprobs |= "prompt_logprobs" in result
             offset += len(raw)
     return index
 

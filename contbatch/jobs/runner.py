@@ -422,13 +422,16 @@ class _Job:
 def result_record(record_id: str | int, output: RequestOutput, fingerprint: bytes) -> dict:
     """The results-file object for one finished request; ``fingerprint`` identifies its input record."""
     completions = [_completion(c) for c in output.outputs]
-    return {
+    record = {
         "id": record_id,
         "outputs": completions,
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(c["completion_tokens"] for c in completions),
         fingerprints.KEY: fingerprints.encode(fingerprint),
     }
+    if output.prompt_logprobs is not None:  # asked for: one entry a prompt token, null for the first
+        record["prompt_logprobs"] = json.loads(json.dumps(_plain(output.prompt_logprobs)))
+    return record
 
 
 def _completion(completion: CompletionOutput) -> dict:

@@ -157,3 +157,27 @@ def test_cli_writes_parquet(tmp_path, chat_model_dir, capsys):
     assert main(arguments) == 0
     assert "done: 3 records written to" in capsys.readouterr().err
     assert [row["id"] for row in read_parquet(tmp_path / "out.data")] == [0, 1, 2]
+
+
+def test_prompt_logprobs_are_written_where_records_ask_for_them(run, tmp_path, chat_llm):
+    """A record's sampling_params.prompt_logprobs (or the job's) puts the prompt's logprobs in
+    its result, as generate() returns them; the Parquet column holds the same, null elsewhere."""
+    records = [{"id": "asks", "prompt": "The sky is", "sampling_params": {"prompt_logprobs": 2}},
+               {"id": "plain", "prompt": "The sea is"}]
+    source = write_jsonl(tmp_path / "in.jsonl", records)
+    run(source, output="out.parquet")
+    journal = results_by_id(tmp_path / "out.parquet.journal.jsonl")
+    assert "prompt_logprobs" not in journal["plain"]
+    written = journal["asks"]["prompt_logprobs"]
+    expected = chat_llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                                 use_tqdm=False)[0].prompt_logprobs
+    assert len(written) == journal["asks"]["prompt_tokens"] == len(expected) > 1 and written[0] is None
+    for position, theirs in zip(written[1:], expected[1:]):
+        assert {int(token): (v["logprob"], v["rank"], v["decoded_token"]) for token, v in position.items()} == {
+            token: (v.logprob, v.rank, v.decoded_token) for token, v in theirs.items()}
+
+    schema = pyarrow.parquet.read_schema(tmp_path / "out.parquet")
+    assert schema.field("prompt_logprobs").type.value_type.key_type == pyarrow.int64()
+    rows = {row["id"]: row for row in read_parquet(tmp_path / "out.parquet")}
+    assert rows["plain"]["prompt_logprobs"] is None
+    assert [None if p is None else {str(token): value for token, value in p} for p in rows["asks"]["prompt_logprobs"]] == written
