@@ -254,10 +254,14 @@ class LLM:
         work: one ValueError lists the bad indices. A pair that fails as it starts gets a
         LoglikelihoodOutput with ``error`` set.
         """
-        self._check_idle()
         if not isinstance(requests, (list, tuple)) or not requests:
             raise ValueError("requests must be a non-empty list of (context, continuation) pairs")
-        pairs, prepared = self._prepare_pairs(requests)
+        return self._loglikelihood(requests, lambda index: f"requests[{index}]")
+
+    def _loglikelihood(self, requests: Sequence, name: Callable[[int], str]) -> list[LoglikelihoodOutput]:
+        """loglikelihood(), its bad pairs listed as ``name(index)`` names them."""
+        self._check_idle()
+        pairs, prepared = self._prepare_pairs(requests, name)
         # Eval suites repeat pairs (the same choices after the same few-shot prompt): score each once.
         keys = [(tuple(context), tuple(continuation)) for context, continuation in pairs]
         first_of: dict[tuple, int] = {}
@@ -286,7 +290,10 @@ class LLM:
         labels = check_labels(labels)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list")
-        scored = self.loglikelihood([(prompt, label) for prompt in prompts for label in labels])
+        scored = self._loglikelihood(
+            [(prompt, label) for prompt in prompts for label in labels],
+            lambda index: f"prompts[{index // len(labels)}] with label {labels[index % len(labels)]!r}",
+        )
         results = []
         for start in range(0, len(scored), len(labels)):
             outputs = scored[start : start + len(labels)]
@@ -296,7 +303,9 @@ class LLM:
             results.append(label_scores(labels, outputs))
         return results
 
-    def _prepare_pairs(self, requests: Sequence) -> tuple[list[tuple[list[int], list[int]]], list[PreparedPrompt]]:
+    def _prepare_pairs(
+        self, requests: Sequence, name: Callable[[int], str]
+    ) -> tuple[list[tuple[list[int], list[int]]], list[PreparedPrompt]]:
         """Tokenised pairs and their prepared requests; one ValueError lists every bad pair."""
         pairs, prepared, errors = [], [], []
         for index, pair in enumerate(requests):
@@ -306,7 +315,7 @@ class LLM:
                 context, continuation = tokenize_pair(self.engine.tokenizer, *pair)
                 prompt = self.preparer.prepare({"prompt_token_ids": context + continuation})
             except (TypeError, ValueError) as exc:
-                errors.append(f"requests[{index}]: {exc}")
+                errors.append(f"{name(index)}: {exc}")
                 continue
             pairs.append((context, continuation))
             prepared.append(dataclasses.replace(prompt, prompt_logprobs_from=len(context)))

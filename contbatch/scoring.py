@@ -54,7 +54,11 @@ class LabelScores:
 def tokenize_pair(tokenizer: PreTrainedTokenizerBase | None, context: object, continuation: object) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids). Strings are split as lm-eval splits them: trailing
     spaces of the context move to the continuation, and the continuation's ids are those of
-    the whole text after the context's, so a token spanning the boundary is scored whole."""
+    the whole text after the context's. Where the context's last tokens are not the whole
+    text's (the continuation merges with them: "hello wor" + "ld" is "hello" + " world"),
+    the split moves back to the last token both share, so the token spanning the boundary
+    is scored whole; lm-eval's split would score the context's tokens against the wrong
+    continuation, or none at all (log-probability 0)."""
     if isinstance(context, str) and isinstance(continuation, str):
         if tokenizer is None:
             raise ValueError("text pairs need a tokenizer; this LLM was built with skip_tokenizer_init=True")
@@ -67,7 +71,16 @@ def tokenize_pair(tokenizer: PreTrainedTokenizerBase | None, context: object, co
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         context_ids = tokenizer(context).input_ids
         whole = tokenizer(context + continuation).input_ids
-        return list(context_ids), list(whole[len(context_ids) :])
+        shared = _common_prefix_length(context_ids, whole)
+        if shared == 0:
+            raise ValueError(
+                f"the continuation merges with every token of the context ({context!r} + {continuation!r} "
+                "shares no leading token with the context alone), so no token of it can be scored after the "
+                "context; give (context, continuation) as token-id lists"
+            )
+        if shared == len(whole):
+            raise ValueError(f"the continuation {continuation!r} adds no token to the context")
+        return list(whole[:shared]), list(whole[shared:])
     if _is_token_list(context) and _is_token_list(continuation):
         if not context or not continuation:
             raise ValueError("context and continuation token lists must be non-empty")
@@ -146,6 +159,10 @@ def check_labels(labels: object) -> list[str]:
     if len(set(labels)) != len(labels):
         raise ValueError(f"labels must be distinct, got {labels!r}")
     return list(labels)
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _is_token_list(value: object) -> bool:

@@ -5,8 +5,10 @@ tokens and labels that share their first token; shared contexts are prefilled on
 import math
 import random
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 from transformers import AutoModelForCausalLM
 
 from contbatch import LLM
@@ -118,6 +120,11 @@ def test_bad_pairs_are_listed_before_any_work(llm):
     assert llm.engine.stats.num_steps == steps
     with pytest.raises(ValueError, match="distinct"):
         llm.score_labels(["p"], [" a", " a"])
+    with pytest.raises(ValueError) as info:
+        llm.score_labels(["hi", "word " * 600], [" yes", " no"])
+    assert "prompts[1] with label ' yes'" in str(info.value) and "prompts[1] with label ' no'" in str(info.value)
+    assert "prompts[0]" not in str(info.value) and "requests[" not in str(info.value)
+    assert llm.engine.stats.num_steps == steps
 
 
 def test_admission_waves_put_each_contexts_first_pair_first():
@@ -133,3 +140,35 @@ def test_text_pairs_split_as_lm_eval_splits_them(llm):
     assert context == tokenizer("The capital of France is").input_ids, "the trailing space moves to the continuation"
     assert tokenizer.decode(continuation) == " Paris"
     assert context + continuation == tokenizer("The capital of France is Paris").input_ids
+
+
+def test_a_continuation_that_merges_with_the_context_is_scored_from_the_last_shared_token(llm, hf):
+    """"hello wor" + "ld" tokenizes as "hello" + " world": the boundary token is scored whole
+    after "hello", not skipped (lm-eval's split leaves no continuation token: log-probability 0)."""
+    tokenizer = llm.get_tokenizer()
+    context, continuation = tokenize_pair(tokenizer, "hello wor", "ld")
+    assert tokenizer("hello wor").input_ids[: len(context)] == context and len(context) < len(tokenizer("hello wor").input_ids)
+    assert context + continuation == tokenizer("hello world").input_ids and tokenizer.decode(continuation) == " world"
+    (out,) = llm.loglikelihood([("hello wor", "ld")])
+    expected, greedy = _hf_score(hf, context, continuation)
+    assert out.continuation_token_ids == continuation and out.logprob < 0
+    assert abs(out.logprob - sum(expected)) <= TOL and out.is_greedy == greedy
+    with pytest.raises(ValueError, match=r"requests\[1\].*merges with every token of the context"):
+        llm.loglikelihood([("fine", " yes"), ("Hel", "lo")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.sampled_from(["The capital of France is Paris.", "hello world, said the printer", "x = f(a, b)  # done"]),
+       data=st.data())
+def test_text_pairs_cover_the_whole_text(llm, text, data):
+    """Wherever a text is split, the pair's ids are the whole text's ids: the context a prefix of
+    the context's own ids, the continuation at least one token (or a clear refusal)."""
+    cut = data.draw(st.integers(1, len(text) - 1))
+    tokenizer = llm.get_tokenizer()
+    try:
+        context, continuation = tokenize_pair(tokenizer, text[:cut], text[cut:])
+    except ValueError as exc:
+        assert "merges with every token of the context" in str(exc) or "is empty" in str(exc)
+        return
+    assert context + continuation == tokenizer(text).input_ids and context and continuation
+    assert tokenizer(text[:cut].rstrip()).input_ids[: len(context)] == context
