@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch import ops
+from contbatch.sampling_params import MAX_SEED
 
 _DTYPES = {
     "auto": None,
@@ -92,7 +93,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             _check_positive("kv_cache_memory", self.kv_cache_memory)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
+            raise TypeError(f"seed must be an int in [0, 2**64 - 1], got {self.seed!r}")
+        if not 0 <= self.seed <= MAX_SEED:  # torch.Generator's range, as SamplingParams.seed
+            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed!r}")
         for name in ("enable_prefix_caching", "adapt_threads", "quantize_lm_head", "quantize_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -92,6 +92,8 @@ class SamplingParams:
             _check_int("seed", self.seed, lambda v: 0 <= v <= MAX_SEED, "None or in [0, 2**64 - 1]")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")

@@ -23,6 +23,7 @@ from contbatch import SamplingParams
         ("min_tokens", 100, ValueError),
         ("seed", -1, ValueError),
         ("stop_token_ids", [-3], ValueError),
+        ("stop_token_ids", 5, TypeError),
         ("ignore_eos", "yes", TypeError),
     ],
 )

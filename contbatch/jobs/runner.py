@@ -96,7 +96,7 @@ def run_job(
     *,
     model: str | Path | None = None,
     llm: LLM | None = None,
-    sampling_params: SamplingParams | None = None,
+    sampling_params: SamplingParams | dict | None = None,
     input_format: str = "auto",
     output_format: str = "auto",
     prompt_field: str = "prompt",
@@ -140,7 +140,7 @@ def run_job(
         model: model directory or GGUF file; default: the demo model. Needed with ``llm`` too
             (it identifies the model in the settings file).
         llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
-        sampling_params: defaults for every record; lines may override fields
+        sampling_params: defaults for every record (a SamplingParams, or a dict of its fields); lines may override fields
             (see contbatch.jobs.records).
         input_format: "auto" (by extension: .jsonl/.ndjson/.json, .txt, .parquet or .csv),
             "jsonl", "text", "parquet" or "csv". Parquet needs pyarrow
@@ -179,7 +179,7 @@ def run_job(
         from contbatch.demo_model import demo_model_dir
 
         model = demo_model_dir()
-    model, params = Path(model), sampling_params or SamplingParams()
+    model, params = Path(model), _job_sampling_params(sampling_params)
     to_file = str(output_path) != STDOUT
     journal = journal_path(output_path, output_format)
     writer = ResultWriter(journal, fsync_every, fsync_interval) if to_file else StdoutWriter()
@@ -417,6 +417,17 @@ class _Job:
         action = "skipped" if self.on_error == "skip" else "stopping"
         listed = f"; listed in {path}" if path is not None else ""
         logger.warning("%s %s %d: %s (%s%s)", self.source.path, self.source.unit, item.line, item.error, action, listed)
+
+
+def _job_sampling_params(given: object) -> SamplingParams:
+    """run_job's sampling_params: a SamplingParams, a dict of its fields, or None (the defaults)."""
+    if given is None:
+        return SamplingParams()
+    if isinstance(given, SamplingParams):
+        return given
+    if isinstance(given, dict):
+        return SamplingParams(**given)
+    raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields or None, got {type(given).__name__}")
 
 
 def result_record(record_id: str | int, output: RequestOutput, fingerprint: bytes) -> dict:

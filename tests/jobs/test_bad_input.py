@@ -125,3 +125,13 @@ def test_unknown_extension_needs_a_format(run, tmp_path):
     with pytest.raises(ValueError, match="cannot tell the format"):
         run(source)
     assert run(source, input_format="jsonl").written == 1
+
+
+def test_job_sampling_params_may_be_a_dict_of_fields_and_nothing_else(run, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    summary = run(source, sampling_params={"temperature": 0, "max_tokens": 2, "ignore_eos": True})
+    assert summary.status == "done" and read_jsonl(tmp_path / "out.jsonl")[0]["completion_tokens"] == 2
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, a dict of its fields or None, got list"):
+        run(source, output="other.jsonl", sampling_params=[SamplingParams()])
+    with pytest.raises(ValueError, match="max_tokens"):
+        run(source, output="other.jsonl", sampling_params={"max_tokens": 0})
