@@ -2,7 +2,8 @@
 
 JSONL: one JSON object per line; the id is the ``id_field`` value (a string or an
 integer), or the 1-based line number when the record has no such field.
-Text: one prompt per line; the id is the line number. Blank lines are skipped in both.
+Text: one prompt per line; the id is the line number. Blank lines are skipped in both, and
+a byte-order mark at the start of the file is dropped.
 Parquet and CSV (parquet_rows.py, csv_rows.py): one record per row, holding only the
 columns the job uses (the prompt or messages column, the id column, ``sampling_params``);
 the id is the id column's value, or the 1-based row number when there is no id column.
@@ -104,9 +105,14 @@ def detect_format(path: Path, input_format: str) -> str:
     return found
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _read_lines(path: Path, input_format: str, id_field: str) -> Iterator[RawRecord | BadRecord]:
     with open(path, "rb") as source:
         for number, raw in enumerate(source, start=1):
+            if number == 1 and raw.startswith(_UTF8_BOM):  # as editors on Windows save UTF-8
+                raw = raw[len(_UTF8_BOM) :]
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:

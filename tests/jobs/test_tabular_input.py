@@ -203,3 +203,19 @@ def test_parquet_without_pyarrow_is_refused_before_any_work(
 def test_csv_and_jsonl_need_no_pyarrow(run, tmp_path, without_pyarrow):
     summary = run(write_csv(tmp_path / "in.csv", [{"id": "a", "prompt": "x"}]))
     assert summary.written == 1 and json.loads((tmp_path / "out.jsonl").read_text())["id"] == "a"
+
+
+@pytest.mark.parametrize("suffix", ["txt", "jsonl"])
+def test_a_leading_bom_in_a_line_file_is_dropped(run, tmp_path, suffix):
+    """Text and JSONL saved with a UTF-8 BOM: the first record is the same as without it."""
+    lines = ["The capital of France is", "Water boils at"]
+    if suffix == "jsonl":
+        lines = [json.dumps({"prompt": line}) for line in lines]
+    plain, marked = tmp_path / f"plain.{suffix}", tmp_path / f"marked.{suffix}"
+    plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    marked.write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    run(plain, output="from_plain.jsonl")
+    summary = run(marked, output="from_marked.jsonl")
+    assert (summary.written, summary.errors) == (2, 0)
+    assert results_by_id(tmp_path / "from_marked.jsonl") == results_by_id(tmp_path / "from_plain.jsonl")
