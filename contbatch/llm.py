@@ -17,6 +17,7 @@ from contbatch.models.gguf import has_q8_0_layers, is_gguf_file
 from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
 from contbatch.prompts import (
+    ChatTemplateOptions,
     PreparedPrompt,
     PromptPreparer,
     as_prompt_iterable,
@@ -144,39 +145,40 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
-        tokenizer's chat template (or ``chat_template``). Each conversation is a list of
-        {"role": ..., "content": ...} messages; outputs come back in input order."""
+        tokenizer's chat template (or ``chat_template``); outputs come back in input order.
+        Each conversation is a list of {"role": ..., "content": ...} messages, the content a
+        string or a list of {"type": "text", "text": ...} parts. ``continue_final_message``
+        (with add_generation_prompt=False) lets the model go on with the last message, e.g. an
+        assistant reply begun by you; ``chat_template_kwargs`` are extra template variables,
+        ``tools`` the template's tool definitions, as in vLLM."""
         if self.engine.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
+        options = ChatTemplateOptions(chat_template, add_generation_prompt, continue_final_message,
+                                      chat_template_kwargs, tools)
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        checked = [validate_conversation(c, i) for i, c in enumerate(conversations)]  # all, before any work
-        prompts = [self._render_chat(c, i, chat_template, add_generation_prompt) for i, c in enumerate(checked)]
+        checked = [validate_conversation(c, f"conversation {i}") for i, c in enumerate(conversations)]  # all first
+        prompts = [self._render_chat(c, i, options) for i, c in enumerate(checked)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(
-        self,
-        conversation: list[dict],
-        index: int = 0,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
+        self, conversation: list[dict], index: int = 0, options: ChatTemplateOptions = ChatTemplateOptions()
     ) -> dict:
         """One conversation as the prompt dict ``generate`` takes ({"prompt", "prompt_token_ids"}),
         rendered as ``chat()`` renders it; ValueError naming conversation ``index`` if it is malformed
         or the template fails. For callers that feed prompts one at a time (a PromptQueue)."""
         if self.engine.tokenizer is None:
             raise ValueError("'messages' need a tokenizer; this LLM was built with skip_tokenizer_init=True")
-        return self._render_chat(validate_conversation(conversation, index), index, chat_template, add_generation_prompt)
+        return self._render_chat(validate_conversation(conversation, f"conversation {index}"), index, options)
 
-    def _render_chat(
-        self, conversation: list[dict], index: int, chat_template: str | None, add_generation_prompt: bool
-    ) -> dict:
-        text, token_ids = render_conversation(
-            self.engine.tokenizer, conversation, f"conversation {index}", chat_template, add_generation_prompt
-        )
+    def _render_chat(self, conversation: list[dict], index: int, options: ChatTemplateOptions) -> dict:
+        text, token_ids = render_conversation(self.engine.tokenizer, conversation, f"conversation {index}", options)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def generate(

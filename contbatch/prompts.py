@@ -127,13 +127,15 @@ def _check_unicode(text: str) -> None:
                          "valid Unicode text (was the input decoded with errors='surrogateescape'?)") from None
 
 
-def validate_conversation(conversation: object, index: int) -> list[dict]:
-    """One chat() conversation as a list of messages, each with a str 'role' and a 'content'
-    (a str, or a list of content parts); ValueError/TypeError naming the conversation and message."""
-    where = f"conversation {index}"
+def validate_conversation(conversation: object, where: str) -> list[dict]:
+    """One conversation as a list of messages, each with a str 'role' and a 'content', a str or
+    a list of OpenAI-style content parts ({"type": "text", "text": ...}), which become one
+    string, joined by newlines, as vLLM joins them for text-only templates. ValueError or
+    TypeError naming ``where`` (e.g. "conversation 3") and the message."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise TypeError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                         f"got {type(conversation).__name__}")
+    messages = []
     for position, message in enumerate(conversation):
         at = f"{where}, message {position}"
         if not isinstance(message, dict):
@@ -143,11 +145,54 @@ def validate_conversation(conversation: object, index: int) -> list[dict]:
             raise ValueError(f"{at} has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(message)})")
         if not isinstance(message["role"], str):
             raise TypeError(f"{at}: 'role' must be a str, got {type(message['role']).__name__}")
-        if not isinstance(message["content"], (str, list)):
-            raise TypeError(f"{at}: 'content' must be a str or a list of parts, got {type(message['content']).__name__}")
-        if isinstance(message["content"], str):
-            _check_unicode(message["content"])
-    return list(conversation)
+        content = _content_text(message["content"], at)
+        _check_unicode(content)
+        messages.append({**message, "content": content})
+    return messages
+
+
+def _content_text(content: object, at: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise TypeError(f"{at}: 'content' must be a str or a list of parts, got {type(content).__name__}")
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else type(part).__name__
+            raise ValueError(f"{at}, content part {index}: only {{'type': 'text', 'text': str}} parts are served "
+                             f"(the models here read text only), got {shown}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation goes through the chat template; vLLM's LLM.chat arguments of the
+    same names. ``continue_final_message`` leaves the last message open for the model to go
+    on with (an assistant prefill), so it excludes ``add_generation_prompt``;
+    ``chat_template_kwargs`` are passed to the template as variables, ``tools`` as its tools."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message=True continues the last message, so it needs "
+                             "add_generation_prompt=False (which opens a new one)")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TypeError(f"chat_template must be a str or None, got {type(self.chat_template).__name__}")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict or None, got {type(self.chat_template_kwargs).__name__}")
+        if self.tools is not None and not (isinstance(self.tools, list) and all(isinstance(t, dict) for t in self.tools)):
+            raise TypeError(f"tools must be a list of dicts or None, got {self.tools!r}")
 
 
 def _text(value: object) -> str:
@@ -163,15 +208,17 @@ def _token_list(value: object) -> list[int]:
 
 
 def render_conversation(
-    tokenizer, conversation: list[dict], where: str, chat_template: str | None = None, add_generation_prompt: bool = True
+    tokenizer, conversation: list[dict], where: str, options: ChatTemplateOptions = ChatTemplateOptions()
 ) -> tuple[str, list[int]]:
     """A validated conversation through the tokenizer's chat template: its text and token ids.
     ValueError naming ``where`` (e.g. "conversation 3") if the template fails. Shared by
     ``LLM.chat`` and bulk jobs' messages records."""
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-        )
+            conversation, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, chat_template=options.chat_template,
+            tools=options.tools, **(options.chat_template_kwargs or {}),
+        )  # fmt: skip
     except Exception as exc:  # the template is the model's own Jinja code and raises anything: name where
         raise ValueError(f"{where}: the chat template failed: {type(exc).__name__}: {exc}") from exc
     # The template already holds any BOS it wants: do not let the tokenizer add another.

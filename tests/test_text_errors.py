@@ -56,3 +56,23 @@ def test_max_tokens_none_stops_at_eos(llm):
     out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=None),
                    use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids[-1] == EOS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "messages", "error", "match"),
+    [
+        (dict(continue_final_message=True), [{"role": "user", "content": "hi"}], ValueError,
+         "continue_final_message=True continues the last message, so it needs add_generation_prompt=False"),
+        (dict(chat_template_kwargs=["x"]), [{"role": "user", "content": "hi"}], TypeError,
+         "chat_template_kwargs must be a dict or None, got list"),
+        (dict(tools={"name": "x"}), [{"role": "user", "content": "hi"}], TypeError, "tools must be a list of dicts"),
+        (dict(), [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError,
+         r"conversation 0, message 0, content part 0: only \{'type': 'text', 'text': str\} parts are served .*'image_url'"),
+        (dict(), [{"role": "user", "content": ["hi"]}], ValueError, r"content part 0: .* got str"),
+    ],
+)
+def test_chat_options_and_content_parts_are_checked_before_any_work(llm, kwargs, messages, error, match):
+    steps = llm.engine.stats.num_steps
+    with pytest.raises(error, match=match):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, **kwargs)
+    assert llm.engine.stats.num_steps == steps

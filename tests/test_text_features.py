@@ -102,3 +102,35 @@ def test_chat_equals_hf_greedy_on_the_chat_template(llm, hf_model, tokenizer):
         assert output.outputs[0].token_ids == _hf_generate(hf_model, tokenizer, prompt_ids)
     single = llm.chat(conversations[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].text == outputs[0].outputs[0].text
+
+
+def test_chat_content_parts_and_a_continued_final_message_match_hf(llm, hf_model, tokenizer):
+    """OpenAI-style text parts are one string joined by newlines (vLLM's rule for text
+    templates); continue_final_message leaves an assistant reply open, rendered as
+    transformers renders it, and the model goes on from it as HF does."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]}]
+    plain = [{"role": "user", "content": "Name a colour.\nOne word."}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    from_parts, from_plain = (llm.chat(c, params, use_tqdm=False)[0] for c in (parts, plain))
+    assert from_parts.prompt_token_ids == from_plain.prompt_token_ids == _chat_ids(tokenizer, "Name a colour.\nOne word.")
+    assert from_parts.outputs[0].token_ids == from_plain.outputs[0].token_ids
+
+    begun = [*plain, {"role": "assistant", "content": "My favourite colour is"}]
+    out = llm.chat(begun, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    text = tokenizer.apply_chat_template(begun, tokenize=False, continue_final_message=True)
+    assert text.endswith("My favourite colour is")
+    assert out.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert out.outputs[0].token_ids == _hf_generate(hf_model, tokenizer, out.prompt_token_ids)
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template(llm, tokenizer):
+    template = ("{% for tool in tools or [] %}[tool {{ tool['name'] }}]{% endfor %}"
+                "{% if formal %}Dear assistant: {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tools = [{"name": "weather"}, {"name": "clock"}]
+    conversation = [{"role": "user", "content": "hello"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat(conversation, params, use_tqdm=False, chat_template=template, chat_template_kwargs={"formal": True},
+                   tools=tools)[0]
+    assert out.prompt == "[tool weather][tool clock]Dear assistant: hello"
+    assert out.prompt_token_ids == tokenizer(out.prompt, add_special_tokens=False).input_ids
+    assert llm.chat(conversation, params, use_tqdm=False, chat_template=template)[0].prompt == "hello"

@@ -13,7 +13,7 @@ import logging
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
-from contbatch.prompts import render_conversation
+from contbatch.prompts import render_conversation, validate_conversation
 from contbatch.sampling_params import SamplingParams
 
 logger = logging.getLogger("contbatch.jobs")
@@ -72,13 +72,8 @@ class RecordBuilder:
         name = self.messages_field
         if name not in data:
             raise ValueError(f"missing field {name!r}")
-        messages = data[name]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"field {name!r} must be a non-empty list of {{'role', 'content'}} objects")
-        for index, message in enumerate(messages):
-            if not (isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
-                raise ValueError(f"{name}[{index}] must be an object with string 'role' and 'content', got {message!r}")
-        return render_conversation(self.tokenizer, messages, f"field {name!r}")[1]
+        conversation = validate_conversation(data[name], f"field {name!r}")
+        return render_conversation(self.tokenizer, conversation, f"field {name!r}")[1]
 
     def _params(self, data: dict) -> SamplingParams | None:
         self._warn_about_top_level_fields(data)

@@ -219,3 +219,18 @@ def test_a_leading_bom_in_a_line_file_is_dropped(run, tmp_path, suffix):
     summary = run(marked, output="from_marked.jsonl")
     assert (summary.written, summary.errors) == (2, 0)
     assert results_by_id(tmp_path / "from_marked.jsonl") == results_by_id(tmp_path / "from_plain.jsonl")
+
+
+def test_messages_with_text_parts_are_the_same_as_strings(run, tmp_path):
+    """A record's messages may use OpenAI-style text parts, as chat() takes them; other parts
+    make a bad record that names them."""
+    plain = [{"id": "a", "messages": [{"role": "user", "content": "Name a colour.\nOne word."}]}]
+    parts = [{"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."},
+                                                                   {"type": "text", "text": "One word."}]}]},
+             {"id": "b", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}]
+    run(write_jsonl(tmp_path / "plain.jsonl", plain), output="from_plain.jsonl", messages_field="messages")
+    summary = run(write_jsonl(tmp_path / "parts.jsonl", parts), output="from_parts.jsonl", messages_field="messages")
+    assert (summary.written, summary.errors) == (1, 1)
+    assert results_by_id(tmp_path / "from_parts.jsonl")["a"]["outputs"] == results_by_id(tmp_path / "from_plain.jsonl")["a"]["outputs"]
+    (error,) = read_jsonl(tmp_path / "from_parts.jsonl.errors.jsonl")
+    assert error["id"] == "b" and "content part 0" in error["error"] and "'image_url'" in error["error"]
