@@ -24,7 +24,8 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1); None: until EOS, a stop condition or
             the end of the context (max_model_len), as in vLLM.
         min_tokens: EOS and stop ids are suppressed until this many tokens exist.
-        stop_token_ids: extra token ids that end the request (kept in the output).
+        stop_token_ids: extra token ids that end the request (the id stays in ``token_ids``;
+            its text is left out of ``text``, as in vLLM, unless include_stop_str_in_output).
         ignore_eos: keep generating past EOS (benchmarks, fixed-length outputs).
         seed: per-request seed in [0, 2**64 - 1]: the same seed gives the same tokens whatever
             else runs in the batch.
@@ -33,7 +34,8 @@ class SamplingParams:
             blocks are shared between the samples (copy-on-write).
         stop: strings that end the completion when they appear in its text (matched on the
             detokenised text, across token boundaries); the text is cut before the match.
-        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        include_stop_str_in_output: keep the matched stop string, or the text of the stop
+            token (stop_token_ids, or EOS), at the end of the text.
         logprobs: return the log-probability of every generated token and the top-k
             alternatives (0 = the chosen token only), at most 20. They come from the
             model's raw distribution: log-softmax of the logits *before* penalties,

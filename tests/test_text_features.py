@@ -134,3 +134,18 @@ def test_chat_template_kwargs_and_tools_reach_the_template(llm, tokenizer):
     assert out.prompt == "[tool weather][tool clock]Dear assistant: hello"
     assert out.prompt_token_ids == tokenizer(out.prompt, add_special_tokens=False).input_ids
     assert llm.chat(conversation, params, use_tqdm=False, chat_template=template)[0].prompt == "hello"
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm, tokenizer):
+    """As vLLM's detokenizer does: the id ends token_ids, its text is not in text (unless
+    include_stop_str_in_output), and the text before it is what the ids before it decode to."""
+    prompt = _chat_ids(tokenizer, QUESTIONS[0])
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    ids = free.outputs[0].token_ids
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tokenizer.decode([ids[i]]).strip())
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[ids[at]],
+                                include_stop_str_in_output=include)
+        cut = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert cut.token_ids == ids[: at + 1] and (cut.finish_reason, cut.stop_reason) == ("stop", ids[at])
+        assert cut.text == tokenizer.decode(ids[: at + 1] if include else ids[:at], skip_special_tokens=True)

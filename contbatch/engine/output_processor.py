@@ -67,7 +67,9 @@ class OutputProcessor:
             grammar_finish = self.structured.accept(request.seq_id, token)
             if finish is None or (grammar_finish is not None and grammar_finish.reason == "abort"):
                 finish = grammar_finish  # a failed grammar outranks the EOS its mask forced
-        if state.detokenizer is not None:
+        # As in vLLM, a stop token's text is left out of the text unless asked for (its id stays).
+        hidden = finish is not None and token in state.stop_ids and not params.include_stop_str_in_output
+        if state.detokenizer is not None and not hidden:
             delta = state.detokenizer.add(token)
             suppressed = request.num_output_tokens < params.min_tokens
             if delta and params.stop and finish is None and not suppressed:
