@@ -239,9 +239,9 @@ class LLM:
         self._check_idle()  # here too, so that generate() raises it as it is, before any work
         items, materialised = as_prompt_iterable(prompts)
         total = len(items) if materialised else None
-        if total == 0:
-            raise ValueError("prompts is empty: give at least one prompt")
         params = _params_iterator(sampling_params, total, self.engine.check_params)
+        if total == 0:  # as vLLM: nothing to do (a filter upstream may leave no prompt)
+            return iter(())
         source: Iterable = self.preparer.prepare_all(items) if materialised else items
         return self._run(source, params, materialised, _Progress(total, use_tqdm))
 

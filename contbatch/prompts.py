@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from contbatch.sampling_params import SamplingParams
 
 MAX_LISTED_ERRORS = 20
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "sampling_params"})
 
 
 @dataclass
@@ -76,6 +77,10 @@ class PromptPreparer:
     @staticmethod
     def _split(prompt: object) -> tuple[str | None, list[int] | None]:
         if isinstance(prompt, dict):
+            unknown = sorted(map(repr, set(prompt) - PROMPT_KEYS))
+            if unknown:  # a misspelt "sampling_params" would otherwise be ignored
+                raise ValueError(f"unknown key(s) {', '.join(unknown)} in a dict prompt; known: "
+                                 f"{', '.join(map(repr, sorted(PROMPT_KEYS)))}")
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
             text = _text(prompt["prompt"]) if "prompt" in prompt else None

@@ -23,9 +23,18 @@ def text_llm(smollm_dir):
     return LLM(smollm_dir, dtype="float32", max_model_len=64, max_num_seqs=4)
 
 
-def test_empty_prompt_list(llm):
-    with pytest.raises(ValueError, match="empty"):
-        llm.generate([])
+def test_empty_prompt_list_gives_no_outputs_as_in_vllm(llm):
+    steps = llm.engine.stats.num_steps
+    assert llm.generate([]) == [] and list(llm.iter_generate(())) == []
+    with pytest.raises(ValueError, match="sampling_params"):  # still checked against the prompts
+        llm.generate([], [SamplingParams()])
+    assert llm.engine.stats.num_steps == steps
+
+
+def test_a_misspelt_key_of_a_dict_prompt_is_refused(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: unknown key\(s\) 'sampling_param' in a dict prompt; known: "
+                                         r"'prompt', 'prompt_token_ids', 'sampling_params'"):
+        llm.generate([[5, 6], {"prompt_token_ids": [5, 6], "sampling_param": SamplingParams(max_tokens=1)}])
 
 
 def test_empty_prompts_listed_by_index_before_any_work(text_llm):
