@@ -277,7 +277,8 @@ def _check_files(
     """The input and the output format, once the files can be used: JobError or OutputError
     (ValueErrors) if not, MissingDependency if Parquet is asked for without pyarrow; all before any work."""
     if not input_path.is_file():
-        raise JobError(f"input file {str(input_path)!r} does not exist")
+        what = "is a directory, not a file" if input_path.is_dir() else "is not a regular file"
+        raise JobError(f"input file {str(input_path)!r} {what if input_path.exists() else 'does not exist'}")
     output_format = detect_output_format(output_path, output_format)
     if str(output_path) != STDOUT:
         for path in dict.fromkeys((output_path, journal_path(output_path, output_format))):

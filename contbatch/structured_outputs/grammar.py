@@ -126,6 +126,9 @@ class GrammarCompiler:
         llguidance.torch.fill_next_token_bitmask(first, llguidance.torch.allocate_token_bitmask(1, self.vocab_size))
         if first.is_error():
             reason = first.get_error().splitlines()[0]  # then llguidance's state dump
+            if "NoExtensionBias" in reason:  # no token can start it, e.g. the regex [^\s\S]
+                raise ValueError(f"structured_outputs.{field} matches no text: no token can begin a match "
+                                 f"(llguidance: {reason})")
             raise ValueError(f"structured_outputs.{field} is too complex for llguidance's limits: {reason}")
         for warning in template.get_grammar_warnings():
             logger.warning("structured_outputs.%s: %s", field, warning)

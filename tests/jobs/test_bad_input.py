@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from contbatch import SamplingParams
-from contbatch.jobs import JobError
+from contbatch.jobs import JobError, run_job
 from tests.jobs.helpers import read_jsonl, write_jsonl
 
 BAD_LINES = [
@@ -135,3 +135,10 @@ def test_job_sampling_params_may_be_a_dict_of_fields_and_nothing_else(run, tmp_p
         run(source, output="other.jsonl", sampling_params=[SamplingParams()])
     with pytest.raises(ValueError, match="max_tokens"):
         run(source, output="other.jsonl", sampling_params={"max_tokens": 0})
+
+
+def test_an_input_that_is_not_a_file_is_named_as_such(tmp_path, no_model_load):
+    (tmp_path / "folder").mkdir()
+    for name, reason in (("folder", "is a directory, not a file"), ("absent.jsonl", "does not exist")):
+        with pytest.raises(JobError, match=f"input file '.*{name}' {reason}"):
+            run_job(tmp_path / name, tmp_path / "out.jsonl", llm=None)

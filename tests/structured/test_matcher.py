@@ -185,3 +185,9 @@ def test_a_grammar_past_the_lexer_limits_is_refused_when_validated(tokenizer, mo
     compiler = GrammarCompiler(tokenizer, VOCAB_SIZE, frozenset([EOS_ID]))
     with pytest.raises(ValueError, match=r"structured_outputs.regex is too complex .*too many expressions"):
         compiler.validate(StructuredOutputsParams(regex=FUEL_HUNGRY))
+
+
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"a[^\s\S]b"])
+def test_a_regex_that_matches_nothing_is_refused_as_such(compiler, regex):
+    with pytest.raises(ValueError, match=r"structured_outputs.regex matches no text: no token can begin a match"):
+        compiler.validate(StructuredOutputsParams(regex=regex))
