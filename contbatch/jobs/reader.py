@@ -155,8 +155,8 @@ def _table_record(number: int, row: dict | str, id_field: str, json_columns: set
 
 def _with_id(number: int, data: dict, id_field: str) -> RawRecord | BadRecord:
     record_id = data.get(id_field, number)
-    if isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
-        return BadRecord(number, None, f"{id_field!r} must be a string or an integer, got {record_id!r}")
+    if isinstance(record_id, bool) or not isinstance(record_id, (str, int)) or record_id == "":
+        return BadRecord(number, None, f"{id_field!r} must be a non-empty string or an integer, got {record_id!r}")
     return RawRecord(number, record_id, data)
 
 

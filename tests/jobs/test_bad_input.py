@@ -17,7 +17,7 @@ BAD_LINES = [
     ('{"id": "a", "prompt": "again"}', "duplicate id 'a'"),
     ('{"id": "d", "prompt": "   "}', "empty prompt"),
     ('{"id": "e", "prompt": 42}', "must be a string"),
-    ('{"id": 1.5, "prompt": "x"}', "must be a string or an integer"),
+    ('{"id": 1.5, "prompt": "x"}', "must be a non-empty string or an integer"),
     ('{"id": "f", "prompt": "x", "sampling_params": {"max_tokens": 0}}', "max_tokens must be None or >= 1"),
     ('{"id": "g", "prompt": "x", "sampling_params": {"temprature": 0.5}}', "unknown sampling parameter"),
     ('{"id": "h", "prompt": "' + "word " * 300 + '"}', "max_model_len"),  # only the engine can tell
@@ -142,3 +142,11 @@ def test_an_input_that_is_not_a_file_is_named_as_such(tmp_path, no_model_load):
     for name, reason in (("folder", "is a directory, not a file"), ("absent.jsonl", "does not exist")):
         with pytest.raises(JobError, match=f"input file '.*{name}' {reason}"):
             run_job(tmp_path / name, tmp_path / "out.jsonl", llm=None)
+
+
+def test_an_empty_string_id_is_a_bad_record_in_jsonl_as_in_tables(run, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "", "prompt": "x"}, {"id": "ok", "prompt": "y"}])
+    summary = run(source)
+    assert (summary.written, summary.errors) == (1, 1)
+    (error,) = read_jsonl(summary.errors_path)
+    assert error["line"] == 1 and "'id' must be a non-empty string or an integer, got ''" in error["error"]

@@ -147,7 +147,7 @@ def test_bad_csv_rows_are_reported_with_their_row_number(run, tmp_path, caplog):
     errors = {error["line"]: error for error in read_jsonl(summary.errors_path)}
     expected = {2: "row has 4 cells, the header has 3 columns", 3: "column 'sampling_params' is not valid JSON",
                 4: "empty prompt", 5: "duplicate id 'a': an earlier row has it",
-                6: "'id' must be a string or an integer, got None", 7: "column 'prompt' is not valid UTF-8",
+                6: "'id' must be a non-empty string or an integer, got None", 7: "column 'prompt' is not valid UTF-8",
                 8: "unknown sampling parameter"}
     assert sorted(errors) == sorted(expected)
     for row, message in expected.items():
@@ -166,7 +166,7 @@ def test_bad_parquet_rows_are_reported_under_stop(run, tmp_path):
     message = str(refused.value)
     assert "3 bad record(s)" in message and "nothing was generated" in message
     assert "row 2: field 'prompt' must be a string" in message
-    assert "row 3: 'id' must be a string or an integer, got None" in message
+    assert "row 3: 'id' must be a non-empty string or an integer, got None" in message
     assert "row 4: SamplingParams.max_tokens must be None or >= 1" in message
     assert not (tmp_path / "out.jsonl").exists()
 
