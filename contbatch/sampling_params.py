@@ -1,5 +1,6 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,3 +164,13 @@ def _check_int(name: str, value: object, ok, allowed: str) -> None:
         raise TypeError(f"SamplingParams.{name} must be an int {allowed}, got {value!r}")
     if not ok(value):
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def with_overrides(base: SamplingParams, overrides: dict, where: str) -> SamplingParams:
+    """``base`` with the fields ``overrides`` sets, validated as any SamplingParams; ValueError
+    naming ``where`` (e.g. "'sampling_params'") and the known fields for an unknown one."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s) {unknown} in {where}; known: {sorted(known)}")
+    return dataclasses.replace(base, **overrides)

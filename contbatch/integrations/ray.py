@@ -40,10 +40,11 @@ import pyarrow as pa
 import ray.data
 import torch
 
+from contbatch.jobs.reader import without_nulls
 from contbatch.llm import LLM
 from contbatch.outputs import RequestOutput
 from contbatch.prompt_queue import PromptQueue
-from contbatch.sampling_params import SamplingParams
+from contbatch.sampling_params import SamplingParams, with_overrides
 
 RowFunction = Callable[[dict], dict]
 
@@ -111,10 +112,12 @@ def build_processor(
 
     Each input row is a prompt: a "prompt" column (text), "prompt_token_ids", or "messages"
     (a chat conversation, formatted with the model's chat template), and optionally its own
-    "sampling_params" (a SamplingParams or a dict of its fields). The output has the input's
+    "sampling_params": a SamplingParams, or a dict (a struct column) of the fields that
+    override ``sampling_params`` for that row, its null fields left out. The output has the input's
     columns plus ``COMPLETION_SCHEMA``'s: generated_text, generated_token_ids, finish_reason
     and error. A row that cannot run (a bad prompt or sampling_params) gets ``error`` set and
-    the other columns None; the others run on. Rows come out in no particular order: keep an
+    the other columns None, as does a row on which ``preprocess`` raises; the others run on.
+    Rows come out in no particular order: keep an
     id column to join on.
 
     Args:
@@ -205,7 +208,11 @@ class _GenerationActor:
         return kept
 
     async def _complete(self, row: dict) -> dict:
-        fields = self.processor.preprocess(row) if self.processor.preprocess is not None else row
+        preprocess = self.processor.preprocess
+        try:
+            fields = preprocess(row) if preprocess is not None else row
+        except Exception as exc:  # the user's code: that row fails alone
+            return _failed(f"preprocess raised {type(exc).__name__}: {exc}")
         try:
             prompt = _engine_prompt(fields, self.llm, self.processor.sampling_params)
         except (TypeError, ValueError) as exc:
@@ -261,11 +268,13 @@ def _engine_prompt(fields: dict, llm: LLM, default_params: SamplingParams) -> di
 
 
 def _row_sampling_params(value: object, default: SamplingParams) -> SamplingParams:
-    """A row's own SamplingParams (given as one or as a dict of its fields), else ``default``."""
+    """A row's own SamplingParams, or ``default`` with the fields a dict sets (its nulls, which
+    an Arrow struct column gives for the fields a row does not set, left out), as bulk jobs'
+    per-record overrides; ``default`` itself for a row without."""
+    if isinstance(value, dict):
+        value = with_overrides(default, without_nulls(value) or {}, "a row's 'sampling_params'")
     if value is None:
         return default
-    if isinstance(value, dict):
-        value = SamplingParams(**value)
     if not isinstance(value, SamplingParams):
         raise TypeError(f"a row's sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
     _check_one_completion(value)

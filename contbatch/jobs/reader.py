@@ -162,15 +162,16 @@ def _with_id(number: int, data: dict, id_field: str) -> RawRecord | BadRecord:
 
 def _json_value(value: object) -> object:
     """A JSON string decoded; a Parquet struct or list without its null fields."""
-    return json.loads(value) if isinstance(value, str) else _without_nulls(value)
+    return json.loads(value) if isinstance(value, str) else without_nulls(value)
 
 
-def _without_nulls(value: object) -> object:
-    # Parquet gives every row every field of a struct column, null where the row has none:
-    # those are absent, not set to null, and a struct left with no field is null itself.
+def without_nulls(value: object) -> object:
+    """An Arrow struct's row as a dict of the fields it sets. Parquet and Arrow give every row
+    every field of a struct column, null where the row has none: those are absent, not set
+    to null, and a struct left with no field is null itself."""
     if isinstance(value, dict):
-        kept = {key: _without_nulls(item) for key, item in value.items()}
+        kept = {key: without_nulls(item) for key, item in value.items()}
         return {key: item for key, item in kept.items() if item is not None} or None
     if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
+        return [without_nulls(item) for item in value]
     return value

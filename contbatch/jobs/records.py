@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
 from contbatch.prompts import render_conversation, validate_conversation
-from contbatch.sampling_params import SamplingParams
+from contbatch.sampling_params import SamplingParams, with_overrides
 
 logger = logging.getLogger("contbatch.jobs")
 
@@ -82,10 +82,7 @@ class RecordBuilder:
             return None
         if not isinstance(overrides, dict):
             raise TypeError(f"field {OVERRIDE_KEY!r} must be an object, got {type(overrides).__name__}")
-        unknown = sorted(set(overrides) - SAMPLING_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown} in {OVERRIDE_KEY!r}; known: {sorted(SAMPLING_FIELDS)}")
-        return dataclasses.replace(self.base_params, **overrides) if overrides else None
+        return with_overrides(self.base_params, overrides, repr(OVERRIDE_KEY)) if overrides else None
 
     def _warn_about_top_level_fields(self, data: dict) -> None:
         if self._warned:

@@ -228,3 +228,28 @@ def test_invalid_settings_are_refused_before_any_actor_starts(chat_model_dir):
         build_processor(model=chat_model_dir, sampling_params=SamplingParams(n=2))
     with pytest.raises(ValueError, match="concurrency"):
         build_processor(model=chat_model_dir, concurrency=0)
+
+
+def test_a_struct_column_of_overrides_merges_over_the_default_and_a_raising_preprocess_fails_its_row(
+    ray_cluster, chat_model_dir, reference_llm
+):
+    """A "sampling_params" struct column has every field in every row, null where a row sets
+    none: a row's nulls are left out and its fields override the processor's default (as bulk
+    jobs merge them), so a row setting only max_tokens stays greedy and one setting only
+    temperature keeps the default max_tokens. A preprocess that raises fails that row alone."""
+    overrides = [{"max_tokens": 4, "temperature": None}, {"max_tokens": None, "temperature": 0.0}, None, None]
+    table = pa.table({"id": [0, 1, 2, 3], "prompt": [f"Row {i}: word" for i in range(4)],
+                      "sampling_params": pa.array(overrides, pa.struct([("max_tokens", pa.int64()),
+                                                                        ("temperature", pa.float64())]))})
+
+    def preprocess(row: dict) -> dict:
+        if row["id"] == 3:
+            raise KeyError("text")
+        return row
+
+    processor = _processor(chat_model_dir, concurrency=1, preprocess=preprocess)
+    out = _by_id(processor(ray.data.from_arrow(table)).take_all())
+    for i, params in ((0, SamplingParams(temperature=0, max_tokens=4)), (1, GREEDY), (2, GREEDY)):
+        expected = reference_llm.generate([f"Row {i}: word"], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out[i]["error"] is None and out[i]["generated_token_ids"] == expected, f"row {i}"
+    assert out[3]["error"] == "preprocess raised KeyError: 'text'" and out[3]["generated_text"] is None
