@@ -269,3 +269,11 @@ def test_generate_while_a_stream_runs_is_refused_as_is(tiny_model_dirs):
         next(second)
     assert list(first) == []  # its one request had finished
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+
+
+def test_a_kv_cache_larger_than_the_memory_available_is_refused_before_the_weights_load(tiny_model_dirs, monkeypatch):
+    from contbatch.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
+    with pytest.raises(ValueError, match=r"kv_cache_memory=\d+ bytes is more than the \d+ bytes .* available"):
+        LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, kv_cache_memory=1 << 50)

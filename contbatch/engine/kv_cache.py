@@ -147,6 +147,12 @@ class KVCacheSpec:
             useful = per_block * blocks_per_seq * max_num_seqs
             memory = min(int(available_memory(device) * DEFAULT_KV_CACHE_FRACTION), useful)
             logger.info("KV cache: %.2f GiB (%d blocks of %d tokens)", memory / 2**30, memory // per_block, self.block_size)
+        elif memory > (available := available_memory(device)):  # refused before the weights load, not by the allocator
+            raise ValueError(
+                f"kv_cache_memory={memory} bytes is more than the {available} bytes ({available / 2**30:.1f} GiB) "
+                f"this {device.type} has available; give less, or leave it unset for "
+                f"{DEFAULT_KV_CACHE_FRACTION:.0%} of what is available"
+            )
         num_blocks = memory // per_block
         if num_blocks < blocks_per_seq:
             raise ValueError(

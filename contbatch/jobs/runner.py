@@ -266,7 +266,7 @@ def _check_arguments(
         raise ValueError("give model (the directory llm was built from) together with llm: it identifies the results")
     if llm is not None and llm_kwargs:
         raise ValueError("llm_kwargs only apply when run_job builds the LLM; give llm or llm_kwargs, not both")
-    if fsync_every < 1 or fsync_interval < 0:
+    if fsync_every < 1 or not fsync_interval >= 0:  # `not >=`: NaN is refused too
         raise ValueError(f"fsync_every must be >= 1 and fsync_interval >= 0, got {fsync_every} and {fsync_interval}")
 
 

@@ -150,3 +150,10 @@ def test_an_empty_string_id_is_a_bad_record_in_jsonl_as_in_tables(run, tmp_path)
     assert (summary.written, summary.errors) == (1, 1)
     (error,) = read_jsonl(summary.errors_path)
     assert error["line"] == 1 and "'id' must be a non-empty string or an integer, got ''" in error["error"]
+
+
+@pytest.mark.parametrize(("every", "interval"), [(0, 5.0), (10, -1.0), (10, float("nan"))])
+def test_fsync_settings_out_of_range_are_refused_before_the_model_loads(tmp_path, no_model_load, every, interval):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ValueError, match="fsync_every must be >= 1 and fsync_interval >= 0"):
+        run_job(source, tmp_path / "out.jsonl", llm=None, fsync_every=every, fsync_interval=interval)
