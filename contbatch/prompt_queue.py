@@ -18,8 +18,9 @@ class PromptQueue:
     Producers ``put`` prompts, in any form ``LLM.generate`` takes one, from any thread while the
     generation runs: a prompt put while requests run joins them at the engine's next step,
     without waiting for them to finish. ``close()`` when there are no more; the generation
-    then ends once the queued prompts have finished. Each prompt's RequestOutput carries the
-    ``request_id`` that ``put`` returned.
+    then ends once the queued prompts have finished. A producer that fails calls
+    ``close(error=exc)`` instead, and the generation stops as if a prompts generator had
+    raised ``exc``. Each prompt's RequestOutput carries the ``request_id`` that ``put`` returned.
 
     Example:
         >>> queue = PromptQueue()
@@ -35,6 +36,7 @@ class PromptQueue:
         self._changed = threading.Condition()
         self._next_id = 0
         self._closed = False
+        self._error: BaseException | None = None
 
     def put(self, prompt: object) -> int:
         """Queue one prompt; returns the request_id its RequestOutput will carry."""
@@ -47,10 +49,17 @@ class PromptQueue:
             self._changed.notify_all()
         return request_id
 
-    def close(self) -> None:
-        """No more prompts: a generation reading the queue ends after the queued ones."""
+    def close(self, error: BaseException | None = None) -> None:
+        """No more prompts: a generation reading the queue ends after the queued ones. With
+        ``error`` (the producer failed) it stops at its next read of the queue instead: the
+        reader raises ``error`` (``generate`` as GenerationInterrupted, keeping the finished
+        outputs; the requests still running are aborted), so a consumer never waits forever
+        for a producer that died."""
+        if error is not None and not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception, got {type(error).__name__}")
         with self._changed:
             self._closed = True
+            self._error = error
             self._changed.notify_all()
 
     @property
@@ -61,10 +70,13 @@ class PromptQueue:
 
     def take(self, wait: bool) -> tuple[int, object] | None:
         """The next (request_id, prompt). When none is queued: None at once if ``wait`` is
-        False, else wait for one, or None once the queue is closed."""
+        False, else wait for one, or None once the queue is closed. Raises the error the
+        queue was closed with, if any."""
         with self._changed:
             if wait:
                 self._changed.wait_for(lambda: self._items or self._closed)
+            if self._error is not None:
+                raise self._error
             return self._items.popleft() if self._items else None
 
     def __iter__(self) -> Iterator[object]:

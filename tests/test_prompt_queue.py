@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from contbatch import LLM, PromptQueue, SamplingParams
+from contbatch import LLM, GenerationInterrupted, PromptQueue, SamplingParams
 
 TIMEOUT_S = 60
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -100,3 +100,31 @@ def test_bad_prompt_fails_alone(llm):
     assert "max_model_len=64" in outputs[bad].error
     assert outputs[good].error is None
     assert outputs[good].outputs[0].token_ids == _tokens(llm, [5, 6], GREEDY)
+
+
+def test_a_producer_that_fails_stops_the_waiting_consumer_with_its_error(llm):
+    """close(error=...): a consumer waiting on the queue raises the producer's error instead
+    of waiting forever, having yielded what finished; generate() keeps the finished outputs."""
+    queue = PromptQueue()
+    consumer = Consumer(llm, queue)
+    queue.put([5, 6])
+
+    def producer_dies() -> None:
+        while not consumer.outputs:  # the first output is out; the consumer waits for more
+            consumer.thread.join(0.01)
+        queue.close(error=KeyError("row 17"))
+
+    threading.Thread(target=producer_dies, daemon=True).start()
+    with pytest.raises(KeyError, match="row 17"):
+        consumer.join()
+    assert list(consumer.outputs) == [0]
+    assert consumer.outputs[0].outputs[0].token_ids == _tokens(llm, [5, 6], GREEDY)
+
+    queue = PromptQueue()
+    queue.put([5, 6])
+    queue.close(error=ValueError("upstream failed"))
+    with pytest.raises(GenerationInterrupted) as info:
+        llm.generate(queue, GREEDY, use_tqdm=False)
+    assert isinstance(info.value.__cause__, ValueError) and info.value.outputs == []
+    with pytest.raises(TypeError, match="error must be an exception"):
+        PromptQueue().close(error="failed")
