@@ -103,6 +103,9 @@ class EngineConfig:
             raise ValueError(f"model_impl must be one of {', '.join(map(repr, MODEL_IMPLS))}, got {self.model_impl!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.quantization is None and (self.quantize_embeddings or not self.quantize_lm_head):
+            given = "quantize_embeddings=True" if self.quantize_embeddings else "quantize_lm_head=False"
+            raise ValueError(f"{given} applies only with quantization='int8' (it would be ignored without it)")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = ("; vLLM's fp8 caches have no kernels here, 'int8' is the 8-bit one"
                     if str(self.kv_cache_dtype).startswith("fp8") else "")

@@ -179,6 +179,8 @@ def test_a_raising_generator_keeps_the_finished_outputs(llm):
         (dict(block_size=-4), "block_size"),
         (dict(max_model_len=10_000), "max_position_embeddings"),
         (dict(kv_cache_memory=1000), "kv_cache_memory"),
+        (dict(quantize_embeddings=True), r"quantize_embeddings=True applies only with quantization='int8'"),
+        (dict(quantize_lm_head=False), r"quantize_lm_head=False applies only with quantization='int8'"),
         (dict(seed=2**70), r"seed must be in \[0, 2\*\*64 - 1\], got 1180591620717411303424$"),
         (dict(seed=-1), r"seed must be in \[0, 2\*\*64 - 1\], got -1$"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of 'auto', 'int8', got 'fp8'; vLLM's fp8"),
