@@ -166,11 +166,13 @@ def _check_int(name: str, value: object, ok, allowed: str) -> None:
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def with_overrides(base: SamplingParams, overrides: dict, where: str) -> SamplingParams:
     """``base`` with the fields ``overrides`` sets, validated as any SamplingParams; ValueError
     naming ``where`` (e.g. "'sampling_params'") and the known fields for an unknown one."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(overrides) - known)
+    unknown = sorted(set(overrides) - SAMPLING_FIELDS)
     if unknown:
-        raise ValueError(f"unknown sampling parameter(s) {unknown} in {where}; known: {sorted(known)}")
+        raise ValueError(f"unknown sampling parameter(s) {unknown} in {where}; known: {sorted(SAMPLING_FIELDS)}")
     return dataclasses.replace(base, **overrides)

@@ -7,18 +7,15 @@ like a sampling field (``"n": 3``); such keys are warned about once per job, sin
 versions read them as overrides.
 """
 
-import dataclasses
 import logging
 
 from transformers import PreTrainedTokenizerBase
 
 from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
 from contbatch.prompts import render_conversation, validate_conversation
-from contbatch.sampling_params import SamplingParams, with_overrides
+from contbatch.sampling_params import SAMPLING_FIELDS, SamplingParams, with_overrides
 
 logger = logging.getLogger("contbatch.jobs")
-
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def sampling_overrides(data: dict) -> object:

@@ -37,7 +37,7 @@ from contbatch.jobs.settings import (
 )
 from contbatch.llm import LLM
 from contbatch.outputs import CompletionOutput, RequestOutput
-from contbatch.sampling_params import SamplingParams
+from contbatch.sampling_params import SamplingParams, with_overrides
 
 logger = logging.getLogger("contbatch.jobs")
 
@@ -427,7 +427,7 @@ def _job_sampling_params(given: object) -> SamplingParams:
     if isinstance(given, SamplingParams):
         return given
     if isinstance(given, dict):
-        return SamplingParams(**given)
+        return with_overrides(SamplingParams(), given, "sampling_params")
     raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields or None, got {type(given).__name__}")
 
 
