@@ -1,11 +1,24 @@
-"""Long prefill chunks on the CPU as dense attention through PyTorch's fused sdpa kernel.
+"""Long prefill chunks on the CPU as dense attention through PyTorch's fused sdpa kernel,
+on the kernel tiers where that is faster than the paged kernel.
 
 The paged CPU kernel takes at most 16 query rows per pass over a sequence's K/V: right for
 decodes and short chunks. A chunk of hundreds of query rows is a matrix-matrix product,
-which sdpa computes as blocked GEMMs (about 25% faster at 4,096 rows on 2 cores; see "Long
-prompts" in docs/performance.md). Such a sequence's K/V is first gathered from its blocks
-into contiguous tensors: a few MB per layer, small beside the attention over it. The other
+which sdpa computes as blocked GEMMs. Which is faster depends on the tier (one 5,000-token
+prefill of SmolLM2 on Zen 5, 2026-11-26; "Long prompts" in docs/performance.md):
+- avx512_bf16 and avx512: the paged kernel, 1.3x (fp32) to 1.7x (bf16) faster than sdpa,
+  whose CPU kernel runs bf16 no faster than fp32;
+- avx2: sdpa in bf16 (1.2x), the same speed in fp32 (within 3% from 1,000 to 8,191 tokens);
+- generic: sdpa, 5x.
+On the tiers that take sdpa, a long chunk's K/V is first gathered from its blocks into
+contiguous tensors: a few MB per layer, small beside the attention over it. The other
 sequences of the step (decodes, short chunks) still go to the paged kernel together.
+
+A chunk after earlier tokens of its sequence (the second chunk of a long prompt, or a prompt
+after a cached prefix) sees every earlier key and its own keys causally. sdpa's causal flag
+aligns the mask to the first key, not the last, so such a chunk would need a boolean mask, with
+which sdpa computes and masks every block of the chunk's rectangle. Instead it runs twice
+without one, over the earlier keys and (causal) over its own, and the two are merged by
+their log-sum-exps: 1.5x faster at 3,904 queries over 8,000 keys.
 """
 
 import itertools
@@ -18,10 +31,13 @@ from contbatch import ops
 # Query rows from which a sequence's chunk goes to sdpa: below this the paged kernel is as
 # fast (measured at 500-1,000 rows) and needs no gather.
 MIN_QUERY_ROWS = 512
+# Kernel tiers whose paged kernel is faster than sdpa however long the chunk (see above).
+PAGED_LONG_CHUNK_TIERS = frozenset({"avx512", "avx512_bf16"})
 
 
 def has_long_queries(q: torch.Tensor, max_query_len: int) -> bool:
-    return q.device.type == "cpu" and max_query_len >= MIN_QUERY_ROWS
+    """Whether the step's long chunks go to sdpa (`attend`) rather than the paged kernel."""
+    return q.device.type == "cpu" and max_query_len >= MIN_QUERY_ROWS and ops.cpu_isa() not in PAGED_LONG_CHUNK_TIERS
 
 
 def attend(
@@ -68,12 +84,45 @@ def _dense(
     skip = first_key - first_block * block_size
     keys, values = (_gathered(cache, blocks, skip, seq_len - first_key, q.dtype) for cache in (key_cache, value_cache))
     query = q.transpose(0, 1)[None]  # [1, heads, q_len, head_size]
-    if first_query == 0 and (sliding_window <= 0 or sliding_window >= seq_len):
+    no_window = sliding_window <= 0 or sliding_window >= seq_len
+    if first_query == 0 and no_window:
         attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    elif no_window and _flash_with_lse is not None:
+        attn = _after_earlier_keys(query, keys, values, first_query, scale)
     else:
         mask = _mask(first_query, seq_len, first_key, sliding_window, q.device)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attn[0].transpose(0, 1)
+
+
+# PyTorch's CPU flash attention, returning each query row's log-sum-exp beside the output
+# (sdpa drops it). Private to PyTorch: without it, later chunks take the masked path.
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _after_earlier_keys(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_earlier: int, scale: float
+) -> torch.Tensor:
+    """[1, heads, q_len, head_size]: queries at the last ``q_len`` positions over ``keys``, the
+    first ``num_earlier`` of which every query sees."""
+    _, heads, q_len, head_size = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # No query row is masked from an earlier key, so the query heads sharing a K/V head (GQA
+    # repeats K/V heads in order) are stacked as the rows of one call: K/V read once per group.
+    stacked = query.reshape(1, kv_heads, group * q_len, head_size)
+    earlier, earlier_lse = _flash_with_lse(stacked, keys[:, :, :num_earlier], values[:, :, :num_earlier], 0.0, False, scale=scale)
+    own_keys, own_values = (t[:, :, num_earlier:].repeat_interleave(group, 1) for t in (keys, values))
+    own, own_lse = _flash_with_lse(query, own_keys, own_values, 0.0, True, scale=scale)
+    return _merged(earlier.reshape(query.shape), earlier_lse.reshape(1, heads, q_len), own, own_lse).to(query.dtype)
+
+
+def _merged(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets from each one's output and log-sum-exp."""
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    return out_a.float() * (weight_a / total)[..., None] + out_b.float() * (weight_b / total)[..., None]
 
 
 def _gathered(cache: torch.Tensor, blocks: torch.Tensor, skip: int, length: int, dtype: torch.dtype) -> torch.Tensor:

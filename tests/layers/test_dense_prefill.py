@@ -1,9 +1,12 @@
 """Long prefill chunks through sdpa (contbatch/layers/dense_prefill.py) against the reference
 paged attention, in steps that mix them with short chunks and decodes."""
 
+import contextlib
+
 import pytest
 import torch
 
+from contbatch import ops
 from contbatch.layers import dense_prefill
 from contbatch.layers.attention import AttentionMetadata, PagedAttention
 from contbatch.ops import reference
@@ -18,10 +21,11 @@ SEQUENCES = [(LONG + 180, LONG + 80), (LONG + 8, LONG + 8), (1000, LONG), (40, 2
 @pytest.mark.parametrize("cache_dtype", ["model", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [-1, 64, 100_000])
-def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window, cache_dtype):
-    gen = torch.Generator().manual_seed(sliding_window % 1000)
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window, cache_dtype, kv_heads):
+    gen = torch.Generator().manual_seed(sliding_window % 1000 + kv_heads)
     seq_lens, query_lens = zip(*SEQUENCES)
-    batch = random_batch(gen, list(seq_lens), list(query_lens), num_heads=8, num_kv_heads=2, head_size=64,
+    batch = random_batch(gen, list(seq_lens), list(query_lens), num_heads=8, num_kv_heads=kv_heads, head_size=64,
                          block_size=16, dtype=dtype, cache_dtype=torch.int8 if cache_dtype == "int8" else None)
     scale = 0.11
     expected = torch.empty_like(batch.query)
@@ -31,13 +35,36 @@ def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window, c
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
-def test_paged_attention_layer_takes_the_dense_path_only_for_long_queries(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_chunks_without_pytorchs_log_sum_exp_kernel_take_the_masked_path(monkeypatch, dtype):
+    """Older or other PyTorch builds may lack the private kernel that returns log-sum-exps."""
+    monkeypatch.setattr(dense_prefill, "_flash_with_lse", None)
+    gen = torch.Generator().manual_seed(7)
+    batch = random_batch(gen, [LONG + 180, 40], [LONG + 80, 20], num_heads=8, num_kv_heads=2, head_size=64,
+                         block_size=16, dtype=dtype)
+    expected = torch.empty_like(batch.query)
+    reference.paged_attention(expected, *batch.attention_args(), 0.11, -1)
+    out = torch.full_like(batch.query, float("nan"))
+    dense_prefill.attend(out, *batch.attention_args(), 0.11, -1)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def _sdpa_tiers() -> list[str | None]:
+    """The kernel tiers here whose long chunks go to sdpa (None: the PyTorch reference ops)."""
+    if ops.BACKEND != "native":
+        return [None]
+    return [isa for isa in ops.supported_cpu_isas() if isa not in dense_prefill.PAGED_LONG_CHUNK_TIERS]
+
+
+@pytest.mark.parametrize("isa", ops.supported_cpu_isas() or [None])
+def test_paged_attention_layer_takes_the_dense_path_only_for_long_queries_on_sdpa_tiers(monkeypatch, isa):
     gen = torch.Generator().manual_seed(0)
     calls = []
     attend = dense_prefill.attend
     monkeypatch.setattr(dense_prefill, "attend", lambda *args: calls.append(1) or attend(*args))
+    sdpa_tier = isa in _sdpa_tiers()
     layer = PagedAttention(num_heads=8, num_kv_heads=2, head_dim=64)
-    for query_lens, dense in (([LONG, 1], True), ([LONG - 1, 1], False)):
+    for query_lens, dense in (([LONG, 1], sdpa_tier), ([LONG - 1, 1], False)):
         seq_lens = [q + 5 for q in query_lens]
         batch = random_batch(gen, seq_lens, query_lens, 8, 2, 64, 16, torch.float32)
         metadata = AttentionMetadata(
@@ -47,7 +74,8 @@ def test_paged_attention_layer_takes_the_dense_path_only_for_long_queries(monkey
         )  # fmt: skip
         k = torch.zeros(sum(query_lens), 2, 64)
         calls.clear()
-        out = layer(batch.query, k, k, (batch.key_cache, batch.value_cache), metadata)
+        with ops.use_cpu_isa(isa) if isa is not None else contextlib.nullcontext():
+            out = layer(batch.query, k, k, (batch.key_cache, batch.value_cache), metadata)
         assert bool(calls) == dense
         expected = torch.empty_like(batch.query)
         reference.paged_attention(expected, *batch.attention_args(), layer.scale, -1)

@@ -83,6 +83,7 @@ def test_long_prefill_runs_the_python_layers_and_decode_the_native_ones(tiny_mod
     monkeypatch.setattr(DecoderLayer, "forward", counting("python", layer_forward))
     monkeypatch.setattr(native_decoder.NativeDecoder, "forward", counting("native", stack_forward))
     monkeypatch.setattr(dense_prefill, "MIN_QUERY_ROWS", 64)  # the tiny model's context is 512
+    monkeypatch.setattr(dense_prefill, "PAGED_LONG_CHUNK_TIERS", frozenset())  # sdpa on every tier
     prompt = [3 + i % 90 for i in range(100)]
     kwargs = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128)
     native = _generate(tiny_model_dirs["llama"], monkeypatch, True, [prompt], [8], **kwargs)
