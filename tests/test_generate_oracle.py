@@ -221,6 +221,44 @@ def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, isa, smollm_dir,
 
 
 
+@pytest.fixture(scope="module")
+def smollm_long_prompt(smollm_dir, smollm_oracle) -> tuple[list[int], list[int]]:
+    """A 1,400-token prompt (the chat prompts' tokens end to end) and HF's 8 greedy tokens."""
+    from contbatch.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm_dir)
+    rows = [json.loads(line)["prompt"] for line in WORKLOAD.read_text().splitlines()]
+    ids = [token for row in rows for token in tokenizer(row).input_ids][:1400]
+    return ids, smollm_oracle.greedy(ids, 8, None)
+
+
+@pytest.mark.parametrize("isa", isa_params() if ops.BACKEND == "native" else ["reference"])
+def test_smollm2_long_prompt_in_long_chunks_matches_hf(isa, smollm_dir, smollm_oracle, smollm_long_prompt, monkeypatch):
+    """A prompt prefilled in two chunks of 512+ query rows, the second after the first's keys,
+    beside a short request: the long-chunk path of each tier (sdpa with log-sum-exp merging on
+    avx2 and generic, the paged kernel on the AVX-512 tiers; layers/dense_prefill.py) gives
+    HF's greedy tokens."""
+    from contbatch.layers import dense_prefill
+
+    dense_calls = []
+    attend = dense_prefill.attend
+    monkeypatch.setattr(dense_prefill, "attend", lambda *args: dense_calls.append(1) or attend(*args))
+    long_ids, expected = smollm_long_prompt
+    short_ids = long_ids[:40]
+    with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
+        llm = LLM(smollm_dir, dtype="float32", max_model_len=1536, max_num_batched_tokens=768,
+                  enable_prefix_caching=False, skip_tokenizer_init=True)
+        outputs = llm.generate(
+            [{"prompt_token_ids": long_ids}, {"prompt_token_ids": short_ids}],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    assert_greedy_match(smollm_oracle, long_ids, outputs[0].outputs[0].token_ids, expected, NEAR_TIE_TOL)
+    assert_greedy_match(smollm_oracle, short_ids, outputs[1].outputs[0].token_ids,
+                        smollm_oracle.greedy(short_ids, 8, None), NEAR_TIE_TOL)
+    assert bool(dense_calls) == (isa not in dense_prefill.PAGED_LONG_CHUNK_TIERS)
+
+
 @pytest.mark.parametrize("kv_blocks", [16, 20])
 def test_parallel_samples_under_kv_pressure_match_hf(kv_blocks, tiny_model_dirs):
     """n=3 samples share their prompt's blocks (a partly filled last one, copied on write)

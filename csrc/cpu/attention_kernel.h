@@ -91,15 +91,20 @@ struct Rows {
   int32_t lo[kMaxRows], hi[kMaxRows];     // visible key positions [lo, hi)
 };
 
-template <class T, int NC>
-void load_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& item) {
+// T: the query's element type; W: the rows', T or fp32 (kWidenBf16Rows).
+template <class T, class W, int NC>
+void load_rows(Rows<W, NC>& rows, const AttentionArgs& args, const WorkItem& item) {
   rows.count = item.num_heads * item.num_queries;
   const T* q_base = static_cast<const T*>(args.query);
   for (int r = 0; r < rows.count; ++r) {
     const int qi = r / item.num_heads, h = r % item.num_heads;
     const T* src = q_base + (item.token_begin + qi) * args.query_token_stride +
                    (item.head_begin + h) * args.query_head_stride;
-    for (int d = 0; d < rows.kQueryLen; ++d) rows.query[r][d] = d < rows.kD ? src[d] : T(0);
+    if constexpr (std::is_same_v<T, W>) {
+      for (int d = 0; d < rows.kQueryLen; ++d) rows.query[r][d] = d < rows.kD ? src[d] : T(0);
+    } else {
+      for (int d = 0; d < rows.kD; d += kLanes) vstore(rows.query[r] + d, vload(src + d));
+    }
     for (int d = 0; d < rows.kAccLen; ++d) rows.acc[r][d] = 0.0f;
     vstore(rows.l[r], vzero());
     rows.m[r] = -INFINITY;
@@ -162,15 +167,16 @@ void accumulate_chunk(Rows<T, NC>& rows, const T* const* v_rows, int n) {
   });
 }
 
-// Writes the rows to `out`, normalised, or their partial results (m, l, acc) to `partials`.
-template <class T, int NC>
-void store_rows(Rows<T, NC>& rows, const AttentionArgs& args, const WorkItem& item, float* partials) {
+// Writes the rows to `out` (of element type T), normalised, or their partial results (m, l,
+// acc) to `partials`.
+template <class T, class W, int NC>
+void store_rows(Rows<W, NC>& rows, const AttentionArgs& args, const WorkItem& item, float* partials) {
 #ifdef CONTBATCH_BF16_PAIR_PV
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(W) == 2) {
     for (int r = 0; r < rows.count; ++r) unpermute_pairs<NC>(rows.acc[r]);
   }
 #endif
-  constexpr int D = Rows<T, NC>::kD;
+  constexpr int D = Rows<W, NC>::kD;
   if (item.partial >= 0) {
     float* part = partials + item.partial;
     for (int r = 0; r < rows.count; ++r) {
@@ -330,28 +336,33 @@ struct BlockLoader {
   }
 };
 
-// One int8 cache row's D values q in the query's type T (exact: |q| <= 127), and its scale.
-template <int D, class T>
-inline float widen_row(const int8_t* row, T* out) {
+// One cache row's D values in the rows' type W (exact: an int8 |q| <= 127, a bf16 widened to
+// fp32), and its scale (an int8 row's; 1 for a bf16 row).
+template <int D, class W, class C>
+inline float widen_row(const C* row, W* out) {
   for (int c = 0; c < D; c += kLanes) vstore(out + c, vload(row + c));
-  float scale;
-  std::memcpy(&scale, row + D, sizeof scale);
+  float scale = 1.0f;
+  if constexpr (std::is_same_v<C, int8_t>) std::memcpy(&scale, row + D, sizeof scale);
   return scale;
 }
 
-// A visit's rows of an int8 cache, widened into the query's type: the visit then runs the
-// arithmetic of a cache in that type over half (bf16) or a quarter (fp32) of the bytes read
-// from memory. The rows' scales are applied per key instead: K's to the scores, V's to the
-// probabilities (softmax_chunk), a multiply a chunk rather than one per element. K rows past
-// the visit's length point at row 0, as VisitRows::rows does, with scale 0.
-template <class T, int D>
+// A visit's rows widened into the rows' type W, once a visit for all the rows that read them:
+// - an int8 cache's rows: the visit then runs the arithmetic of a cache in W over half (bf16)
+//   or a quarter (fp32) of the bytes read from memory. The rows' scales are applied per key
+//   instead: K's to the scores, V's to the probabilities (softmax_chunk), a multiply a chunk
+//   rather than one per element;
+// - a bf16 cache's rows on a tier without a bf16 dot product (kWidenBf16Rows): widened once here
+//   rather than once per row in every product (a long chunk has up to 16 rows per kv head).
+// K rows past the visit's length point at row 0, as VisitRows::rows does, with scale 0.
+template <class W, int D>
 struct WidenedRows {
-  alignas(64) T k[kChunk][D];
-  alignas(64) T v[kChunk][D];
+  alignas(64) W k[kChunk][D];
+  alignas(64) W v[kChunk][D];
   alignas(64) float k_scale[kChunk];
   alignas(64) float v_scale[kChunk];
 
-  void fill(const int8_t* const* k_src, const int8_t* const* v_src, int n, const T** k_rows, const T** v_rows) {
+  template <class C>
+  void fill(const C* const* k_src, const C* const* v_src, int n, const W** k_rows, const W** v_rows) {
     for (int t = 0; t < n; ++t) {
       k_scale[t] = widen_row<D>(k_src[t], k[t]);
       v_scale[t] = widen_row<D>(v_src[t], v[t]);
@@ -367,38 +378,52 @@ struct WidenedRows {
 
 struct NoWidenedRows {};
 
-// T: the query's (and out's) element type; C: the cache's, T itself or int8_t.
-template <class T, class C, int NC>
+// The rows' element type W for a query of type T: T itself, or fp32 for a bf16 query on a tier
+// without a bf16 dot product, whose products are fp32 FMAs on widened values either way: the
+// query is then widened once and K/V once a visit (WidenedRows) rather than in every
+// product, from the tier's kWidenBf16FromRows rows an item.
+#ifdef CONTBATCH_BF16_PAIR_PV
+constexpr int kWidenBf16Rows = 0;  // never: vdpbf16ps multiplies bf16 as it is
+#else
+constexpr int kWidenBf16Rows = kWidenBf16FromRows;
+#endif
+
+// T: the query's (and out's) element type; W: the rows', T or fp32 (kWidenBf16Rows); C: the
+// cache's, T itself or int8_t.
+template <class T, class W, class C, int NC>
 void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
-  Rows<T, NC> rows[kMaxKvHeadsPerItem];
-  for (int g = 0; g < item.num_kv_heads; ++g) load_rows(rows[g], args, kv_head_slice(args, item, g));
+  constexpr bool kWidened = !std::is_same_v<C, W>;
+  Rows<W, NC> rows[kMaxKvHeadsPerItem];
+  for (int g = 0; g < item.num_kv_heads; ++g) load_rows<T>(rows[g], args, kv_head_slice(args, item, g));
   VisitRows<C, 16 * NC> visit(args, item);
   BlockLoader<C, 16 * NC> loader(visit);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
-  const T* k_rows[kChunk];
-  const T* v_rows[kChunk];
-  [[maybe_unused]] std::conditional_t<kInt8Cache, WidenedRows<T, 16 * NC>, NoWidenedRows> widened;
+  const W* k_rows[kChunk];
+  const W* v_rows[kChunk];
+  [[maybe_unused]] std::conditional_t<kWidened, WidenedRows<W, 16 * NC>, NoWidenedRows> widened;
   for (int p = 0; p < visit.order.size(); ++p) {
     visit.locate(p);
     loader.keep_ahead_of(visit.start / args.block_size);
     Vec16 key_scale_log2 = scale_log2;
     const float* value_scales = nullptr;
-    if constexpr (kInt8Cache) {
-      const int8_t* k_cache_rows[kChunk];
-      const int8_t* v_cache_rows[kChunk];
+    if constexpr (kWidened) {
+      const C* k_cache_rows[kChunk];
+      const C* v_cache_rows[kChunk];
       visit.rows(k_cache_rows, v_cache_rows);
       widened.fill(k_cache_rows, v_cache_rows, visit.length, k_rows, v_rows);
-      key_scale_log2 = vmul(scale_log2, vload(widened.k_scale));
-      value_scales = widened.v_scale;
+      if constexpr (kInt8Cache) {
+        key_scale_log2 = vmul(scale_log2, vload(widened.k_scale));
+        value_scales = widened.v_scale;
+      }
     } else {
       visit.rows(k_rows, v_rows);
     }
-    Rows<T, NC>& head_rows = rows[visit.head];
+    Rows<W, NC>& head_rows = rows[visit.head];
     softmax_chunk(head_rows, k_rows, visit.start, visit.length, key_scale_log2, value_scales);
     accumulate_chunk(head_rows, v_rows, visit.length);
   }
-  for (int g = 0; g < item.num_kv_heads; ++g) store_rows(rows[g], args, kv_head_slice(args, item, g), partials);
+  for (int g = 0; g < item.num_kv_heads; ++g) store_rows<T>(rows[g], args, kv_head_slice(args, item, g), partials);
 }
 
 // Combines the partial results of kv head g of one item split into num_parts partitions.
@@ -437,25 +462,33 @@ void reduce_item_partitions(const AttentionArgs& args, const WorkItem* parts, in
   for (int g = 0; g < parts[0].num_kv_heads; ++g) reduce_kv_head<T>(args, parts, num_parts, partials, g);
 }
 
+template <class T, class C, int NC>
+void attend_rows(const AttentionArgs& args, const WorkItem& item, float* partials) {
+  if constexpr (sizeof(T) == 2 && kWidenBf16Rows > 0) {
+    if (item.num_heads * item.num_queries >= kWidenBf16Rows) return attend_item<T, float, C, NC>(args, item, partials);
+  }
+  attend_item<T, T, C, NC>(args, item, partials);
+}
+
 template <class T, class C>
 void attend_dispatch(const AttentionArgs& args, const WorkItem& item, float* partials) {
   switch (args.head_size / 16) {  // the driver checks head_size is 16, 32, ..., 256
-    case 1: return attend_item<T, C, 1>(args, item, partials);
-    case 2: return attend_item<T, C, 2>(args, item, partials);
-    case 3: return attend_item<T, C, 3>(args, item, partials);
-    case 4: return attend_item<T, C, 4>(args, item, partials);
-    case 5: return attend_item<T, C, 5>(args, item, partials);
-    case 6: return attend_item<T, C, 6>(args, item, partials);
-    case 7: return attend_item<T, C, 7>(args, item, partials);
-    case 8: return attend_item<T, C, 8>(args, item, partials);
-    case 9: return attend_item<T, C, 9>(args, item, partials);
-    case 10: return attend_item<T, C, 10>(args, item, partials);
-    case 11: return attend_item<T, C, 11>(args, item, partials);
-    case 12: return attend_item<T, C, 12>(args, item, partials);
-    case 13: return attend_item<T, C, 13>(args, item, partials);
-    case 14: return attend_item<T, C, 14>(args, item, partials);
-    case 15: return attend_item<T, C, 15>(args, item, partials);
-    case 16: return attend_item<T, C, 16>(args, item, partials);
+    case 1: return attend_rows<T, C, 1>(args, item, partials);
+    case 2: return attend_rows<T, C, 2>(args, item, partials);
+    case 3: return attend_rows<T, C, 3>(args, item, partials);
+    case 4: return attend_rows<T, C, 4>(args, item, partials);
+    case 5: return attend_rows<T, C, 5>(args, item, partials);
+    case 6: return attend_rows<T, C, 6>(args, item, partials);
+    case 7: return attend_rows<T, C, 7>(args, item, partials);
+    case 8: return attend_rows<T, C, 8>(args, item, partials);
+    case 9: return attend_rows<T, C, 9>(args, item, partials);
+    case 10: return attend_rows<T, C, 10>(args, item, partials);
+    case 11: return attend_rows<T, C, 11>(args, item, partials);
+    case 12: return attend_rows<T, C, 12>(args, item, partials);
+    case 13: return attend_rows<T, C, 13>(args, item, partials);
+    case 14: return attend_rows<T, C, 14>(args, item, partials);
+    case 15: return attend_rows<T, C, 15>(args, item, partials);
+    case 16: return attend_rows<T, C, 16>(args, item, partials);
     default: return;
   }
 }

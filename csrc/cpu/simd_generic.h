@@ -108,6 +108,9 @@ constexpr int kLanes = 16;
 
 // Vec16s that fit the vector registers: this tier is plain C++, so a nominal figure.
 constexpr int kVectorRegisters = 32;
+// Attention rows from which a bf16 query's work item runs on fp32 rows (attention_kernel.h,
+// kWidenBf16Rows): always, as on AVX2 (not measured on this tier: its widening is scalar code).
+constexpr int kWidenBf16FromRows = 1;
 
 // 6 rows x 64 columns per linear tile (linear_kernel.h).
 constexpr int kLinearTileRows = 6;

@@ -1,4 +1,4 @@
-"""benchmarks/open_issue_figures.sh runs for about 45 minutes on a Zen 3 or Zen 4 machine,
+"""benchmarks/open_issue_figures.sh runs for about 55 minutes on a Zen 3 or Zen 4 machine,
 which sessions get by chance: every command in it that writes docs/performance.md must
 find its markers there for both CPUs, or the run stops at that command (the long-prompt
 table's markers for them were missing until 2026-11-26). Each script's marker key is
