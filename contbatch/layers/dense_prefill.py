@@ -7,7 +7,7 @@ which sdpa computes as blocked GEMMs. Which is faster depends on the tier (one 5
 prefill of SmolLM2 on Zen 5, 2026-11-26; "Long prompts" in docs/performance.md):
 - avx512_bf16 and avx512: the paged kernel, 1.3x (fp32) to 1.7x (bf16) faster than sdpa,
   whose CPU kernel runs bf16 no faster than fp32;
-- avx2: sdpa in bf16 (1.2x), the same speed in fp32 (within 3% from 1,000 to 8,191 tokens);
+- avx2: the same speed in either dtype (within 3% from 1,000 to 8,191 tokens), so sdpa stays;
 - generic: sdpa, 5x.
 On the tiers that take sdpa, a long chunk's K/V is first gathered from its blocks into
 contiguous tensors: a few MB per layer, small beside the attention over it. The other
@@ -95,9 +95,23 @@ def _dense(
     return attn[0].transpose(0, 1)
 
 
-# PyTorch's CPU flash attention, returning each query row's log-sum-exp beside the output
-# (sdpa drops it). Private to PyTorch: without it, later chunks take the masked path.
-_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+def _flash_kernel_with_lse():
+    """PyTorch's CPU flash attention, which returns each query row's log-sum-exp beside the
+    output (sdpa drops it), or None. It is private to PyTorch, so it is tried once on tiny
+    inputs (an [B, heads, q_len] log-sum-exp expected): a build without it, or where it has
+    another signature, sends later chunks to the masked path instead of failing a run."""
+    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if kernel is None:
+        return None
+    try:
+        q = torch.zeros(1, 2, 3, 16)
+        out, lse = kernel(q, q, q, 0.0, True, scale=0.25)
+    except (RuntimeError, TypeError):
+        return None
+    return kernel if out.shape == q.shape and lse.shape == (1, 2, 3) else None
+
+
+_flash_with_lse = _flash_kernel_with_lse()
 
 
 def _after_earlier_keys(

@@ -49,6 +49,27 @@ def test_later_chunks_without_pytorchs_log_sum_exp_kernel_take_the_masked_path(m
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("behaviour", ["raises", "other signature", "other output"])
+def test_a_private_flash_kernel_that_does_not_behave_is_not_used(monkeypatch, behaviour):
+    """PyTorch's private log-sum-exp kernel may change or vanish in other versions: then later
+    chunks take the masked path rather than failing a run."""
+    def kernel(query, key, value, dropout_p, is_causal, *, scale=None):
+        if behaviour == "raises":
+            raise RuntimeError("not implemented for this build")
+        return query, torch.zeros(query.shape[-2])  # a log-sum-exp of the wrong shape
+    def other_signature(query, key, value):
+        return query, torch.zeros(query.shape[:-1])
+    chosen = other_signature if behaviour == "other signature" else kernel
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", chosen, raising=False)
+    assert dense_prefill._flash_kernel_with_lse() is None
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="checked on the pinned torch 2.13 only")
+def test_pytorchs_flash_kernel_with_log_sum_exps_is_found_on_the_pinned_torch():
+    """torch 2.13 (the README's pin) has it: the mask-free path is what runs and is tested."""
+    assert dense_prefill._flash_with_lse is not None
+
+
 def _sdpa_tiers() -> list[str | None]:
     """The kernel tiers here whose long chunks go to sdpa (None: the PyTorch reference ops)."""
     if ops.BACKEND != "native":
