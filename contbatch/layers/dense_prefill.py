@@ -21,6 +21,7 @@ without one, over the earlier keys and (causal) over its own, and the two are me
 their log-sum-exps: 1.5x faster at 3,904 queries over 8,000 keys.
 """
 
+import functools
 import itertools
 
 import torch
@@ -87,19 +88,21 @@ def _dense(
     no_window = sliding_window <= 0 or sliding_window >= seq_len
     if first_query == 0 and no_window:
         attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    elif no_window and _flash_with_lse is not None:
-        attn = _after_earlier_keys(query, keys, values, first_query, scale)
+    elif no_window and (flash := _flash_kernel_with_lse()) is not None:
+        attn = _after_earlier_keys(flash, query, keys, values, first_query, scale)
     else:
         mask = _mask(first_query, seq_len, first_key, sliding_window, q.device)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attn[0].transpose(0, 1)
 
 
+@functools.cache
 def _flash_kernel_with_lse():
     """PyTorch's CPU flash attention, which returns each query row's log-sum-exp beside the
-    output (sdpa drops it), or None. It is private to PyTorch, so it is tried once on tiny
-    inputs (an [B, heads, q_len] log-sum-exp expected): a build without it, or where it has
-    another signature, sends later chunks to the masked path instead of failing a run."""
+    output (sdpa drops it), or None. It is private to PyTorch, so it is tried once, on tiny
+    inputs at the first later chunk (not at import: that first call takes ~14 ms), expecting
+    an [B, heads, q_len] log-sum-exp: a build without it, or where it has another signature,
+    sends later chunks to the masked path instead of failing a run."""
     kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if kernel is None:
         return None
@@ -111,23 +114,20 @@ def _flash_kernel_with_lse():
     return kernel if out.shape == q.shape and lse.shape == (1, 2, 3) else None
 
 
-_flash_with_lse = _flash_kernel_with_lse()
-
-
 def _after_earlier_keys(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_earlier: int, scale: float
+    flash, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_earlier: int, scale: float
 ) -> torch.Tensor:
     """[1, heads, q_len, head_size]: queries at the last ``q_len`` positions over ``keys``, the
-    first ``num_earlier`` of which every query sees."""
+    first ``num_earlier`` of which every query sees; ``flash``: _flash_kernel_with_lse()'s."""
     _, heads, q_len, head_size = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     # No query row is masked from an earlier key, so the query heads sharing a K/V head (GQA
     # repeats K/V heads in order) are stacked as the rows of one call: K/V read once per group.
     stacked = query.reshape(1, kv_heads, group * q_len, head_size)
-    earlier, earlier_lse = _flash_with_lse(stacked, keys[:, :, :num_earlier], values[:, :, :num_earlier], 0.0, False, scale=scale)
+    earlier, earlier_lse = flash(stacked, keys[:, :, :num_earlier], values[:, :, :num_earlier], 0.0, False, scale=scale)
     own_keys, own_values = (t[:, :, num_earlier:].repeat_interleave(group, 1) for t in (keys, values))
-    own, own_lse = _flash_with_lse(query, own_keys, own_values, 0.0, True, scale=scale)
+    own, own_lse = flash(query, own_keys, own_values, 0.0, True, scale=scale)
     return _merged(earlier.reshape(query.shape), earlier_lse.reshape(1, heads, q_len), own, own_lse).to(query.dtype)
 
 

@@ -219,7 +219,8 @@ inline void unpermute_pairs(float* acc) {
 // Attention rows (per kv head) from which a bf16 query's work item runs on fp32 rows, its
 // K/V widened once a visit (attention_kernel.h, kWidenBf16Rows). On this tier (Zen 5, 2026-11-26)
 // widening made a 4,096-token prefill's attention 1.16x faster (15 rows an item) and decode
-// (3 rows) 8-15% slower: a 16-lane widening is cheap beside a copy through L1.
+// (3 rows) 8-15% slower (probably because a 16-lane widening in the product costs little
+// beside a copy through L1 that only 3 rows share; not profiled).
 constexpr int kWidenBf16FromRows = 8;
 
 // The even (odd) elements of 16 bf16 pairs, widened: a 16-bit shift (a mask) of each pair.

@@ -10,7 +10,7 @@ from contbatch import ops
 from contbatch.layers import dense_prefill
 from contbatch.layers.attention import AttentionMetadata, PagedAttention
 from contbatch.ops import reference
-from tests.ops.paged_batch import TOLERANCES, random_batch
+from tests.ops.paged_batch import TOLERANCES, isa_params, random_batch
 
 LONG = dense_prefill.MIN_QUERY_ROWS
 # (context length, query rows): long chunks after a cached prefix and from the start, one of
@@ -38,7 +38,7 @@ def test_long_chunks_match_the_reference_in_mixed_steps(dtype, sliding_window, c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_later_chunks_without_pytorchs_log_sum_exp_kernel_take_the_masked_path(monkeypatch, dtype):
     """Older or other PyTorch builds may lack the private kernel that returns log-sum-exps."""
-    monkeypatch.setattr(dense_prefill, "_flash_with_lse", None)
+    monkeypatch.setattr(dense_prefill, "_flash_kernel_with_lse", lambda: None)
     gen = torch.Generator().manual_seed(7)
     batch = random_batch(gen, [LONG + 180, 40], [LONG + 80, 20], num_heads=8, num_kv_heads=2, head_size=64,
                          block_size=16, dtype=dtype)
@@ -61,29 +61,22 @@ def test_a_private_flash_kernel_that_does_not_behave_is_not_used(monkeypatch, be
         return query, torch.zeros(query.shape[:-1])
     chosen = other_signature if behaviour == "other signature" else kernel
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", chosen, raising=False)
-    assert dense_prefill._flash_kernel_with_lse() is None
+    assert dense_prefill._flash_kernel_with_lse.__wrapped__() is None  # tried afresh, not the cached answer
 
 
 @pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="checked on the pinned torch 2.13 only")
 def test_pytorchs_flash_kernel_with_log_sum_exps_is_found_on_the_pinned_torch():
     """torch 2.13 (the README's pin) has it: the mask-free path is what runs and is tested."""
-    assert dense_prefill._flash_with_lse is not None
+    assert dense_prefill._flash_kernel_with_lse() is not None
 
 
-def _sdpa_tiers() -> list[str | None]:
-    """The kernel tiers here whose long chunks go to sdpa (None: the PyTorch reference ops)."""
-    if ops.BACKEND != "native":
-        return [None]
-    return [isa for isa in ops.supported_cpu_isas() if isa not in dense_prefill.PAGED_LONG_CHUNK_TIERS]
-
-
-@pytest.mark.parametrize("isa", ops.supported_cpu_isas() or [None])
+@pytest.mark.parametrize("isa", isa_params() if ops.BACKEND == "native" else [None])
 def test_paged_attention_layer_takes_the_dense_path_only_for_long_queries_on_sdpa_tiers(monkeypatch, isa):
     gen = torch.Generator().manual_seed(0)
     calls = []
     attend = dense_prefill.attend
     monkeypatch.setattr(dense_prefill, "attend", lambda *args: calls.append(1) or attend(*args))
-    sdpa_tier = isa in _sdpa_tiers()
+    sdpa_tier = isa not in dense_prefill.PAGED_LONG_CHUNK_TIERS  # None: the reference ops, no tier
     layer = PagedAttention(num_heads=8, num_kv_heads=2, head_dim=64)
     for query_lens, dense in (([LONG, 1], sdpa_tier), ([LONG - 1, 1], False)):
         seq_lens = [q + 5 for q in query_lens]
