@@ -1,7 +1,5 @@
 """``python -m contbatch``: the same as the ``contbatch`` command."""
 
-import sys
+from contbatch.cli import run
 
-from contbatch.cli import main
-
-sys.exit(main())
+run()

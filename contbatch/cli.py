@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 import types
 import typing
@@ -42,6 +43,22 @@ from; it is kept), and OUTPUT is written from it, in input order, once every rec
 Parquet input or output needs pyarrow: pip install contbatch[parquet].
 Exit status: 0 done, 1 error (nothing or not everything generated), 2 bad usage,
 130 interrupted (Ctrl-C; rerun to resume)."""
+
+def run() -> typing.NoReturn:
+    """The process entry point (``contbatch`` and ``python -m contbatch``): ``main``, then exit.
+
+    Once ``main`` returns every result is on disk, so Ctrl-C is ignored from then on. Python's
+    teardown (torch's atexit hooks) takes a moment, and a KeyboardInterrupt raised inside an
+    ``eval`` of a string there makes CPython end the process by SIGINT, losing the exit status.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:  # a second Ctrl-C in the instant between main's handler and here
+        status = EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,12 @@ def test_help_documents_every_flag_with_examples(capsys):
         assert flag in text
     for action in _generate_parser()._actions:
         assert action.help, f"{action.option_strings} has no help"
+
+
+def test_the_contbatch_command_runs_the_entry_point_that_ignores_a_late_ctrl_c():
+    # python -m contbatch runs cli.run (tested in test_crash.py); the installed command must too.
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["contbatch"] == "contbatch.cli:run"
 
 
 def test_every_sampling_field_gets_a_flag_or_a_reason():

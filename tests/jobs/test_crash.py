@@ -163,6 +163,27 @@ def test_second_sigint_aborts_at_once_without_tearing_a_line(crash_input, chat_m
     assert len(read_jsonl(output)) < NUM_PROMPTS
 
 
+def test_a_sigint_while_the_process_winds_up_keeps_exit_status_130(crash_input, chat_model_dir, tmp_path):
+    # Once the summary is printed every result is on disk; a Ctrl-C during Python's teardown
+    # (after its own handler is gone) used to end the process by the signal instead.
+    output = tmp_path / "out.jsonl"
+    process = start_cli(cli_command(crash_input, output, chat_model_dir, *ENGINE_FLAGS))
+    _wait_for(lambda: _lines(output) > 0, process, "the first result")
+    process.send_signal(signal.SIGINT)
+    stderr = []
+    for line in process.stderr:
+        stderr.append(line)
+        if "rerun the same command to resume" in line:  # the summary: the job has wound up
+            break
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:  # Ctrl-C all through the teardown
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    stderr.append(process.communicate(timeout=60)[1])
+    assert process.returncode == 130, "".join(stderr)
+    assert len(read_jsonl(output)) < NUM_PROMPTS and output.read_bytes().endswith(b"\n")
+
+
 def test_a_second_sigint_during_a_write_waits_for_the_line_to_finish():
     from contbatch.jobs.runner import _StopSignal
 
