@@ -101,7 +101,8 @@ def _vllm_cpu_details(result: dict, contbatch: dict) -> str:
     config = result["config"]
     line = (
         f"vLLM CPU {config['vllm_version']} (torch {result['torch']}, OpenMP threads bound to cores "
-        f"{config['omp_threads_bind']}, none reserved; {'eager' if config['enforce_eager'] else 'torch.compile'}): "
+        f"{config['omp_threads_bind']}, none reserved; {'eager' if config['enforce_eager'] else 'torch.compile'}"
+        f"{'; kernels ' + config['vllm_kernels'] if 'vllm_kernels' in config else ''}): "
         f"start-up {result['load_s']:.1f} s from its process start to `LLM(...)` ready (import, model load"
         f"{'' if config['enforce_eager'] else ', compilation'} and warm-up)"
     )

@@ -17,6 +17,20 @@ import os
 import sys
 import time
 
+# The AVX2 stand-in (CONTBATCH_CPU_ISA=avx2, with oneDNN, MKL and ATen held to AVX2 by their
+# own variables): vLLM then loads and runs what it would on an AVX2-only CPU such as Zen 3.
+# It picks its kernel library (_C_AVX2, _C_AVX512 or _C) and its attention ISA from torch's
+# CPU checks, which read the hardware, so those answer as on such a CPU. At module level:
+# the engine core's process (spawn) imports this file again.
+HIDE_AVX512 = os.environ.get("CONTBATCH_CPU_ISA") == "avx2"
+if HIDE_AVX512:
+    import torch.cpu
+
+    for check in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, check):
+            setattr(torch.cpu, check, lambda: False)
+
 
 def generate(llm, requests: list) -> list:
     from vllm import SamplingParams
@@ -35,6 +49,18 @@ def peak_rss_mib() -> float:
         with open(f"/proc/{process.pid}/status") as status:
             total_kib += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
     return total_kib / 1024
+
+
+def kernel_libraries() -> str:
+    """Which of vLLM's x86 kernel libraries (_C_AVX2, _C_AVX512, _C) this process and its
+    children (the engine core) have loaded."""
+    import psutil
+
+    names = set()
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with open(f"/proc/{process.pid}/maps") as maps:
+            names |= {line.rsplit("/", 1)[-1].split(".")[0] for line in maps if "/vllm/_C" in line}
+    return ",".join(sorted(names)) or "none"
 
 
 def main(job_path: str, result_path: str) -> None:
@@ -59,6 +85,7 @@ def main(job_path: str, result_path: str) -> None:
         "generated": [len(out.outputs[0].token_ids) for out in outputs],
         "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
         "peak_rss_mib": peak_rss_mib(),
+        "vllm_kernels": kernel_libraries(),
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
     }

@@ -77,7 +77,8 @@ def _child_env(threads: int, kv_cache_gib: int) -> dict:
 def _shape_result(raw: dict, requests: list, settings: dict, threads: int) -> dict:
     """The child's measurements as a system result (summarize's fields, plus vLLM's own)."""
     result = summarize(requests, raw["wall_s"], raw["ttft_s"], raw["generated"], raw["load_s"], raw["peak_rss_mib"])
-    result["config"] = {**settings, "vllm_version": raw["vllm_version"], "omp_threads_bind": f"0-{threads - 1}"}
+    result["config"] = {**settings, "vllm_version": raw["vllm_version"], "omp_threads_bind": f"0-{threads - 1}",
+                        "vllm_kernels": raw["vllm_kernels"]}
     result["num_threads"] = threads
     result["torch"] = raw["torch_version"]
     result["token_ids"] = raw["token_ids"]

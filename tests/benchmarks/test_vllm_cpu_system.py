@@ -4,6 +4,8 @@ agreement it reports, and its lines in the markdown report.
 vLLM itself runs only where benchmarks/setup_vllm_cpu.sh made its venv; see benchmarks/README.md.
 """
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,9 +57,36 @@ def test_report_states_start_up_time_and_agreement():
     result = {
         "load_s": 48.3,
         "torch": "2.13.0+cpu",
-        "config": {"vllm_version": "0.32.0", "omp_threads_bind": "0-1", "enforce_eager": True},
+        "config": {"vllm_version": "0.32.0", "omp_threads_bind": "0-1", "enforce_eager": True,
+                   "vllm_kernels": "_C_AVX2"},
         "agreement_with_contbatch": {"requests": 4, "requests_identical": 0.75, "tokens_before_divergence": 0.938},
     }
     line = _vllm_cpu_details(result, {"load_s": 6.8})
-    assert "start-up 48.3 s" in line and "contbatch's `LLM(...)` took 6.8 s" in line
+    assert "start-up 48.3 s" in line and "contbatch's `LLM(...)` took 6.8 s" in line and "kernels _C_AVX2" in line
     assert "75.0% of the 4 requests" in line and "93.8% of the tokens" in line
+
+
+def _torch_cpu_checks_after_importing_the_child(**env: str) -> list[str]:
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import _vllm_cpu_child, torch.cpu; "
+        "print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), "
+        "torch.cpu._is_amx_tile_supported())"
+    )
+    clean = {k: v for k, v in os.environ.items() if k != "CONTBATCH_CPU_ISA"}
+    done = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return done.stdout.split()
+
+
+def test_under_the_avx2_stand_in_the_vllm_child_sees_an_avx2_only_cpu():
+    # vLLM picks _C_AVX2 / _C_AVX512 / _C and its attention ISA from these checks.
+    assert _torch_cpu_checks_after_importing_the_child(CONTBATCH_CPU_ISA="avx2") == ["False", "False", "False"]
+
+
+def test_otherwise_the_vllm_child_leaves_torchs_cpu_checks_alone():
+    import torch.cpu
+
+    actual = [str(torch.cpu._is_avx512_supported()), str(torch.cpu._is_avx512_bf16_supported()),
+              str(torch.cpu._is_amx_tile_supported())]
+    assert _torch_cpu_checks_after_importing_the_child() == actual
+    assert _torch_cpu_checks_after_importing_the_child(CONTBATCH_CPU_ISA="avx512") == actual
