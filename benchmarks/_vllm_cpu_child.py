@@ -40,24 +40,26 @@ def generate(llm, requests: list) -> list:
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def peak_rss_mib() -> float:
-    """Peak RSS (VmHWM) summed over this process and its children: vLLM's engine core runs in one."""
+def own_processes() -> list:
+    """This process and its children (vLLM's engine core runs in one), as psutil processes."""
     import psutil
 
+    return [psutil.Process(), *psutil.Process().children(recursive=True)]
+
+
+def peak_rss_mib() -> float:
+    """Peak RSS (VmHWM) summed over own_processes()."""
     total_kib = 0
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in own_processes():
         with open(f"/proc/{process.pid}/status") as status:
             total_kib += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
     return total_kib / 1024
 
 
 def kernel_libraries() -> str:
-    """Which of vLLM's x86 kernel libraries (_C_AVX2, _C_AVX512, _C) this process and its
-    children (the engine core) have loaded."""
-    import psutil
-
+    """Which of vLLM's x86 kernel libraries (_C_AVX2, _C_AVX512, _C) own_processes() have loaded."""
     names = set()
-    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    for process in own_processes():
         with open(f"/proc/{process.pid}/maps") as maps:
             names |= {line.rsplit("/", 1)[-1].split(".")[0] for line in maps if "/vllm/_C" in line}
     return ",".join(sorted(names)) or "none"

@@ -48,8 +48,8 @@ def run() -> typing.NoReturn:
     """The process entry point (``contbatch`` and ``python -m contbatch``): ``main``, then exit.
 
     Once ``main`` returns every result is on disk, so Ctrl-C is ignored from then on. Python's
-    teardown (torch's atexit hooks) takes a moment, and a KeyboardInterrupt raised inside an
-    ``eval`` of a string there makes CPython end the process by SIGINT, losing the exit status.
+    teardown takes a moment, and late in it Python puts SIGINT back to its default action: a
+    Ctrl-C then ended the process by the signal, losing the exit status (130 after a first one).
     """
     try:
         status = main()

@@ -66,11 +66,14 @@ def test_report_states_start_up_time_and_agreement():
     assert "75.0% of the 4 requests" in line and "93.8% of the tokens" in line
 
 
+# The torch checks vLLM picks _C_AVX2 / _C_AVX512 / _C and its attention ISA from.
+VLLM_ISA_CHECKS = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+
+
 def _torch_cpu_checks_after_importing_the_child(**env: str) -> list[str]:
     code = (
         f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import _vllm_cpu_child, torch.cpu; "
-        "print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported(), "
-        "torch.cpu._is_amx_tile_supported())"
+        f"print(*(getattr(torch.cpu, name)() for name in {VLLM_ISA_CHECKS!r}))"
     )
     clean = {k: v for k, v in os.environ.items() if k != "CONTBATCH_CPU_ISA"}
     done = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
@@ -79,14 +82,12 @@ def _torch_cpu_checks_after_importing_the_child(**env: str) -> list[str]:
 
 
 def test_under_the_avx2_stand_in_the_vllm_child_sees_an_avx2_only_cpu():
-    # vLLM picks _C_AVX2 / _C_AVX512 / _C and its attention ISA from these checks.
     assert _torch_cpu_checks_after_importing_the_child(CONTBATCH_CPU_ISA="avx2") == ["False", "False", "False"]
 
 
 def test_otherwise_the_vllm_child_leaves_torchs_cpu_checks_alone():
     import torch.cpu
 
-    actual = [str(torch.cpu._is_avx512_supported()), str(torch.cpu._is_avx512_bf16_supported()),
-              str(torch.cpu._is_amx_tile_supported())]
+    actual = [str(getattr(torch.cpu, name)()) for name in VLLM_ISA_CHECKS]
     assert _torch_cpu_checks_after_importing_the_child() == actual
     assert _torch_cpu_checks_after_importing_the_child(CONTBATCH_CPU_ISA="avx512") == actual
