@@ -10,9 +10,14 @@
 //   Vec16 i8_finish(I8Acc)                the 16 columns' block sums as fp32
 //   Vec16 vload_f16(const uint16_t*)      16 fp16 scales
 //   i8_store_rounded(int8_t*, Vec16)      16 values rounded half to even into int8
+//   kI8TileRows, kI8TileVectors           the register tile: rows x 16-column vectors
+//   kI8WholePanelRows, kI8WholePanelRunRows  tiles of at most the first span the panel, and
+//                                         calls of at most the second rows run in them (0, 0:
+//                                         never; see i8_tile_vectors and int8_row_tiles)
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
-// A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16,
+// A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16
+// (a tile of at most kI8WholePanelRows rows: the whole panel at once, see i8_tile_vectors),
 // its input quads broadcast from the rows as the driver staged them (int8_kernel_api.h):
 // per block, each quad row of weights loaded once feeds every row of the tile, the block's
 // int32 sums become fp32 once (times the two scales), and the fp32 sums over blocks are
@@ -28,17 +33,29 @@ static_assert(kI8InputBytes == 1 || kI8InputBytes == 2, "inputs are staged as in
 #define CONTBATCH_UNROLL(n) _Pragma(CONTBATCH_PRAGMA_TEXT(GCC unroll n))
 constexpr int kI8TileColumns = kI8TileVectors * kLanes;
 static_assert(kInt8PanelColumns % kI8TileColumns == 0, "column tiles must divide a panel");
+
+// Column vectors of an MR-row tile. A tile narrower than the panel reads part of each quad
+// row (kQuadRowBytes), so the panel is read in as many strided passes as it has column tiles;
+// with few rows, bound by reading the weights, that left the hardware prefetcher and the
+// prefetches ahead (linear_tiles.h) covering half the lines on each pass. A tile of at most
+// kI8WholePanelRows rows spans the panel and reads it once, in address order.
+template <int MR>
+constexpr int i8_tile_vectors() {
+  return MR <= kI8WholePanelRows ? kInt8PanelColumns / kLanes : kI8TileVectors;
+}
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
 constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (int8, or widened
 // to int16), its scales and sums at `scales`, `sums`; rows of staged inputs from x (x_stride
-// bytes apart), their block scales from x_scales ([MR][blocks]).
+// bytes apart), their block scales from x_scales ([MR][blocks]). later_panel: 0, or how far
+// on (in W) the weights of the panel read next lie, for a tile that reads this panel from
+// cache (not the run's first tile): it then prefetches those instead of its own.
 template <int MR, class T, class W>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t blocks, const W* values,
                       const uint16_t* scales, const int16_t* sums, const T* bias, T* out, int64_t out_stride,
-                      int64_t columns) {
-  constexpr int NV = kI8TileVectors;
+                      int64_t columns, int64_t later_panel = 0) {
+  constexpr int NV = i8_tile_vectors<MR>();
   Vec16 acc[MR][NV];
   for (int m = 0; m < MR; ++m) {
     for (Vec16& a : acc[m]) a = vzero();
@@ -54,7 +71,13 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
       const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes;
       I8Weights w[NV];
       for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
-      for (int v = 0; v < NV; ++v) prefetch_panel_ahead(quad_row + 4 * kLanes * v);
+      for (int v = 0; v < NV; ++v) {
+        if (later_panel == 0) {
+          prefetch_panel_ahead(quad_row + 4 * kLanes * v);
+        } else {
+          prefetch_later_panel(quad_row + 4 * kLanes * v + later_panel);
+        }
+      }
       for (int m = 0; m < MR; ++m) {
         const I8Input input = i8_input(x + m * x_stride + (b * kInt8Quads + q) * kInputQuadBytes);
         for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);
@@ -70,17 +93,36 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   store_tile(acc, bias, out, out_stride, columns);
 }
 
+// later_panel: int8_tile's, for every row tile but the first.
+template <int kTileRows, class T, class W>
+void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
+                       const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
+  for_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
+    constexpr int MR = decltype(tile)::size;
+    for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
+      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, blocks, values + 4 * c0, scales + c0,
+                    sums + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width,
+                    r == 0 ? 0 : later_panel);
+    });
+  });
+}
+
+// Up to kI8WholePanelRunRows rows (a call bound by reading the weights), tiles that span the
+// panel, the first reading it in address order and the others from cache while they prefetch
+// the next panel in memory (a thread's next call reads it: panel_runs.h); more, the tier's tiles.
 template <class T, class W>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
                     const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
-  for_row_tiles<kI8TileRows>(rows, [&](auto tile, int64_t r) {
-    constexpr int MR = decltype(tile)::size;
-    for_column_tiles<kI8TileColumns>(columns, [&](int64_t c0, int64_t width) {
-      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, blocks, values + 4 * c0, scales + c0,
-                    sums + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width);
-    });
-  });
+  if constexpr (kI8WholePanelRows > 0) {
+    if (rows <= kI8WholePanelRunRows) {
+      return int8_row_tiles_of<kI8WholePanelRows>(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias,
+                                                  out, out_stride, columns, blocks * kInt8Quads * kQuadRowBytes);
+    }
+  }
+  int8_row_tiles_of<kI8TileRows>(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride,
+                                 columns);
 }
 
 // Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for

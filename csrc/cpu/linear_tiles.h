@@ -13,6 +13,9 @@ inline void prefetch_panel_ahead(const void* weights) {
   __builtin_prefetch(static_cast<const char*>(weights) + kPanelPrefetchBytes, 0, 3);
 }
 
+// Into L2: the weights a later call (the next panel) reads, while this one reads from cache.
+inline void prefetch_later_panel(const void* weights) { __builtin_prefetch(weights, 0, 2); }
+
 template <int N>
 struct TileRows {
   static constexpr int size = N;

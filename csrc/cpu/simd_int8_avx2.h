@@ -23,6 +23,8 @@ struct I8Weights {
 // 16 ymm registers (measured best of 1-4 rows, with the AVX2 tier forced on an Intel Xeon).
 constexpr int kI8TileRows = 2;
 constexpr int kI8TileVectors = 1;
+constexpr int kI8WholePanelRows = 0;  // no tile spans the panel (int8_linear_kernel.h)
+constexpr int kI8WholePanelRunRows = 0;
 
 // Not unrolled: GCC reassociates the unrolled vpmaddwd sums and spills the products (1.5x
 // slower at 256 rows unrolled, Zen 5).

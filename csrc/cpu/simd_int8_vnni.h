@@ -15,6 +15,13 @@ using I8Weights = __m512i;  // lane i: the column's 4 weights
 // the 32 registers (measured best of 3-12 rows x 16-64 columns on an Emerald Rapids Xeon).
 constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
+// Calls of up to 16 rows run in tiles of 1-2 rows that span the 64-column panel (4 int32 and
+// 4 fp32 accumulators a row; int8_linear_kernel.h, i8_tile_vectors). On Zen 4, SmolLM2's
+// projections at 1-16 rows went from 0.81-1.14x the bf16 panels' speed to 1.30-1.38x
+// (weights from DRAM); at 16 rows 10.6 ms against 12.4 in the 6 x 32 tiles, more rows not
+// tried with them.
+constexpr int kI8WholePanelRows = 2;
+constexpr int kI8WholePanelRunRows = 16;
 
 inline I8Input i8_input(const int8_t* x) { return _mm512_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(const int16_t* sums) {
