@@ -10,6 +10,8 @@
 //      registers, each V row loaded once per few rows: fp32 FMAs, or for bf16 on the
 //      AVX512_BF16 tier vdpbf16ps on bf16-rounded p (two keys per instruction, fp32 sums;
 //      see simd_avx512.h).
+// A bf16 item of many rows over a bf16 cache on the AVX512_BF16 tier (a prefill chunk) runs
+// the same steps with its rows in vector lanes instead (attend_item_by_lanes).
 // Layouts: docs/design/kv_cache_layout.md (the arguments: attention_kernel_api.h).
 
 constexpr int kChunk = kLanes;  // key positions per chunk: one vector of scores per row
@@ -156,8 +158,12 @@ void accumulate_chunk(Rows<T, NC>& rows, const T* const* v_rows, int n) {
 #ifdef CONTBATCH_BF16_PAIR_PV
   if constexpr (sizeof(T) == 2) {
     for_row_blocks<max_row_block<NC>()>(rows.count, [&](auto block, int r) {
-      accumulate_pv_pairs<NC, decltype(block)::size>(rows.acc[r], rows.kAccLen, rows.alpha + r, rows.prob_bf16 + r,
-                                                     v_rows, n);
+      const auto pair_of = [&prob = rows.prob_bf16, r](int i, int t) {
+        int32_t pair;
+        std::memcpy(&pair, &prob[r + i][t], sizeof pair);
+        return pair;
+      };
+      accumulate_pv_pairs<NC, decltype(block)::size>(rows.acc[r], rows.kAccLen, rows.alpha + r, pair_of, v_rows, n);
     });
     return;
   }
@@ -388,10 +394,142 @@ constexpr int kWidenBf16Rows = 0;  // never: vdpbf16ps multiplies bf16 as it is
 constexpr int kWidenBf16Rows = kWidenBf16FromRows;
 #endif
 
+#ifdef CONTBATCH_BF16_PAIR_PV
+// Items of many rows (a prefill chunk's query tokens x the heads of a kv head) over a bf16
+// cache on the AVX512_BF16 tier run with their rows in lanes: lane r of every vector is row
+// r. A chunk's scores are then 16 vectors, one a key, each the sum of vdpbf16ps products of
+// the key's broadcast bf16 pairs with the rows' query pairs; the online softmax is vertical
+// (no horizontal max or sum, no branch a row), and p leaves it as (p[t], p[t + 1]) pairs a
+// row, as p * V (accumulate_pv_pairs) takes them. By rows (softmax_chunk, qk_tile) each
+// row's scores took 16 K rows' products and a 16-vector transposing sum.
+constexpr int kRowLanesFromRows = 12;
+
+template <int NC>
+struct RowLanes {
+  static constexpr int kPairs = 8 * NC;           // bf16 pairs of a row of D = 16 * NC
+  alignas(64) uint32_t q[kPairs][kLanes];          // query pair j of row r in lane r, 0 past the rows
+  alignas(64) uint32_t p[kChunk / 2][kLanes];      // the chunk's (p[2i], p[2i + 1]) of row r in lane r
+  alignas(64) float m[kLanes];                     // running max of the base-2 scores
+  alignas(64) float l[kLanes];                     // running sum of the bf16-rounded p
+  alignas(64) int32_t lo[kLanes], hi[kLanes];      // visible key positions [lo, hi); empty past the rows
+};
+
+template <int NC>
+void load_row_lanes(RowLanes<NC>& lanes, const Rows<uint16_t, NC>& rows) {
+  for (int j = 0; j < lanes.kPairs; ++j) {
+    for (int r = 0; r < kLanes; ++r) {
+      uint32_t pair = 0;
+      if (r < rows.count) std::memcpy(&pair, rows.query[r] + 2 * j, sizeof pair);
+      lanes.q[j][r] = pair;
+    }
+  }
+  for (int r = 0; r < kLanes; ++r) {
+    lanes.m[r] = -INFINITY;
+    lanes.l[r] = 0.0f;
+    lanes.lo[r] = r < rows.count ? rows.lo[r] : 0;
+    lanes.hi[r] = r < rows.count ? rows.hi[r] : 0;
+  }
+}
+
+// p rounded to bf16: the bits in the low half of each int32 lane, and the rounded values.
+inline __m512i bf16_bits(Vec16 p, Vec16& rounded) {
+  const __m512i bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+  rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  return bits;
+}
+
+// softmax_chunk's work for every row at once, the rows' alpha left in rows.alpha and the
+// chunk's p pairs in lanes.p.
+template <int NC>
+void softmax_chunk_by_lanes(Rows<uint16_t, NC>& rows, RowLanes<NC>& lanes, const uint16_t* const* k_rows,
+                            int32_t c0, int n, Vec16 scale_log2) {
+  Vec16 s[kChunk];
+  for (Vec16& score : s) score = vzero();
+  for (int j = 0; j < lanes.kPairs; ++j) {
+    const __m512bh q = reinterpret_cast<__m512bh>(_mm512_load_si512(lanes.q[j]));
+    for (int t = 0; t < kChunk; ++t) {  // K is padded to kChunk rows (VisitRows::rows)
+      uint32_t pair;
+      std::memcpy(&pair, k_rows[t] + 2 * j, sizeof pair);
+      s[t] = _mm512_dpbf16_ps(s[t], reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pair))), q);
+    }
+  }
+  const __m512i lo = _mm512_load_si512(lanes.lo), hi = _mm512_load_si512(lanes.hi);
+  Mask16 keep[kChunk];
+  Vec16 chunk_max = vset1(-INFINITY);
+  for (int t = 0; t < n; ++t) {
+    const __m512i pos = _mm512_set1_epi32(c0 + t);
+    keep[t] = _mm512_cmp_epi32_mask(lo, pos, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(pos, hi, _MM_CMPINT_LT);
+    s[t] = vmask_fill(keep[t], vmul(s[t], scale_log2), -INFINITY);
+    chunk_max = vmax(chunk_max, s[t]);
+  }
+  const Vec16 m_old = vload(lanes.m);
+  const Vec16 m = vmax(m_old, chunk_max);
+  const Vec16 alpha = vexp2(vsub(m_old, m));  // a lane with no visible key yet: -inf - -inf, ~0
+  Vec16 l = vmul(vload(lanes.l), alpha);
+  for (int i = 0; 2 * i < n; ++i) {
+    Vec16 even, odd = vzero();
+    const __m512i even_bits = bf16_bits(vmaskz(keep[2 * i], vexp2(vsub(s[2 * i], m))), even);
+    __m512i odd_bits = _mm512_setzero_si512();
+    if (2 * i + 1 < n) odd_bits = bf16_bits(vmaskz(keep[2 * i + 1], vexp2(vsub(s[2 * i + 1], m))), odd);
+    _mm512_store_si512(lanes.p[i], _mm512_or_si512(even_bits, _mm512_slli_epi32(odd_bits, 16)));
+    l = vadd(l, vadd(even, odd));  // l sums what p * V uses
+  }
+  vstore(lanes.m, m);
+  vstore(lanes.l, l);
+  vstore(rows.alpha, alpha);  // rows.alpha has kMaxRows = kLanes entries
+}
+
+template <int NC>
+void accumulate_chunk_by_lanes(Rows<uint16_t, NC>& rows, const RowLanes<NC>& lanes, const uint16_t* const* v_rows,
+                               int n) {
+  for_row_blocks<max_row_block<NC>()>(rows.count, [&](auto block, int r) {
+    const auto pair_of = [&p = lanes.p, r](int i, int t) { return int32_t(p[t / 2][r + i]); };
+    accumulate_pv_pairs<NC, decltype(block)::size>(rows.acc[r], rows.kAccLen, rows.alpha + r, pair_of, v_rows, n);
+  });
+}
+
+// attend_item for a bf16 query over a bf16 cache, rows in lanes.
+template <int NC>
+void attend_item_by_lanes(const AttentionArgs& args, const WorkItem& item, float* partials) {
+  static_assert(kMaxRows == kLanes, "an item's rows of one kv head fill one vector's lanes");
+  Rows<uint16_t, NC> rows[kMaxKvHeadsPerItem];
+  RowLanes<NC> lanes[kMaxKvHeadsPerItem];
+  for (int g = 0; g < item.num_kv_heads; ++g) {
+    load_rows<uint16_t>(rows[g], args, kv_head_slice(args, item, g));
+    load_row_lanes(lanes[g], rows[g]);
+  }
+  VisitRows<uint16_t, 16 * NC> visit(args, item);
+  BlockLoader<uint16_t, 16 * NC> loader(visit);
+  const Vec16 scale_log2 = vset1(args.scale * kLog2e);
+  const uint16_t* k_rows[kChunk];
+  const uint16_t* v_rows[kChunk];
+  for (int p = 0; p < visit.order.size(); ++p) {
+    visit.locate(p);
+    loader.keep_ahead_of(visit.start / args.block_size);
+    visit.rows(k_rows, v_rows);
+    softmax_chunk_by_lanes(rows[visit.head], lanes[visit.head], k_rows, visit.start, visit.length, scale_log2);
+    accumulate_chunk_by_lanes(rows[visit.head], lanes[visit.head], v_rows, visit.length);
+  }
+  for (int g = 0; g < item.num_kv_heads; ++g) {
+    for (int r = 0; r < rows[g].count; ++r) {  // store_rows reads m and the lane sums of l
+      rows[g].m[r] = lanes[g].m[r];
+      vstore(rows[g].l[r], vzero());
+      rows[g].l[r][0] = lanes[g].l[r];
+    }
+    store_rows<uint16_t>(rows[g], args, kv_head_slice(args, item, g), partials);
+  }
+}
+#endif  // CONTBATCH_BF16_PAIR_PV
+
 // T: the query's (and out's) element type; W: the rows', T or fp32 (kWidenBf16Rows); C: the
 // cache's, T itself or int8_t.
 template <class T, class W, class C, int NC>
 void attend_item(const AttentionArgs& args, const WorkItem& item, float* partials) {
+#ifdef CONTBATCH_BF16_PAIR_PV
+  if constexpr (std::is_same_v<W, uint16_t> && std::is_same_v<C, uint16_t>) {
+    if (item.num_heads * item.num_queries >= kRowLanesFromRows) return attend_item_by_lanes<NC>(args, item, partials);
+  }
+#endif
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   constexpr bool kWidened = !std::is_same_v<C, W>;
   Rows<W, NC> rows[kMaxKvHeadsPerItem];

@@ -175,8 +175,9 @@ inline __m512i load_v_chunk(const uint16_t* row, int j) {
 // (products exact, sums in fp32). V rows t and t + 1 are interleaved by unpack{lo,hi}_epi16,
 // so lane k of accumulator 2j (2j + 1) holds, of the 32 dims of chunk j, dim
 // 8 * (k / 4) + k % 4 (that + 4); unpermute_pairs restores the natural order.
-template <int NC, int RB>
-inline void accumulate_pv_pairs(float* acc, int acc_len, const float* alpha, const uint16_t (*prob)[kLanes],
+// pair_of(r, t): (p[t], p[t + 1]) of row r as two bf16 in an int32, p[n] 0.
+template <int NC, int RB, class PairOf>
+inline void accumulate_pv_pairs(float* acc, int acc_len, const float* alpha, const PairOf& pair_of,
                                 const uint16_t* const* v_rows, int n) {
   constexpr int kPairs = (NC + 1) / 2;
   Vec16 a[RB][2 * kPairs];
@@ -192,9 +193,7 @@ inline void accumulate_pv_pairs(float* acc, int acc_len, const float* alpha, con
       v[2 * j + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(even, odd));
     }
     for (int r = 0; r < RB; ++r) {
-      int32_t pair;  // (p[t], p[t + 1]); p[n] is 0
-      std::memcpy(&pair, &prob[r][t], sizeof pair);
-      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_of(r, t)));
       for (int c = 0; c < 2 * kPairs; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p);
     }
   }

@@ -81,6 +81,21 @@ def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("window", [-1, 50])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 2, 80), (12, 1, 128)])
+def test_prefill_chunks_of_many_rows(dtype, isa, window, num_heads, num_kv_heads, head_size):
+    """Prefill chunks whose work items hold 12-16 rows a kv head (query tokens x the heads
+    of a kv head): on the avx512_bf16 tier a bf16 item of 12 or more runs with its rows in
+    vector lanes (attention_kernel.h, attend_item_by_lanes). Chunks after earlier tokens, a
+    whole prompt, and ragged lengths, so items of fewer rows run beside them."""
+    gen = torch.Generator().manual_seed(head_size + window)
+    batch = random_batch(gen, [300, 77, 41, 230], [120, 77, 13, 1], num_heads, num_kv_heads, head_size, 16, dtype)
+    out, expected = run_both(batch, head_size**-0.5, window, isa)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [-1, 40])
