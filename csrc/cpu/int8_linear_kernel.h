@@ -14,6 +14,7 @@
 //   kI8WholePanelRows, kI8WholePanelRunRows  tiles of at most the first span the panel, and
 //                                         calls of at most the second rows run in them (0, 0:
 //                                         never; see i8_tile_vectors and int8_row_tiles)
+//   kI8WholePanelGroup                    vectors such a tile sums at once (i8_group_vectors)
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
 // A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16
@@ -43,6 +44,13 @@ template <int MR>
 constexpr int i8_tile_vectors() {
   return MR <= kI8WholePanelRows ? kInt8PanelColumns / kLanes : kI8TileVectors;
 }
+// Vectors of an MR-row tile whose block sums are kept at once: all of them, or in a tile
+// that spans the panel on a tier with few registers, kI8WholePanelGroup at a time (each
+// group reading the block's quad rows again, in the same 2 KiB of the panel).
+template <int MR>
+constexpr int i8_group_vectors() {
+  return MR <= kI8WholePanelRows ? kI8WholePanelGroup : kI8TileVectors;
+}
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
 constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 
@@ -60,33 +68,38 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   for (int m = 0; m < MR; ++m) {
     for (Vec16& a : acc[m]) a = vzero();
   }
+  constexpr int G = i8_group_vectors<MR>();
+  static_assert(NV % G == 0, "vector groups must divide the tile");
   for (int64_t b = 0; b < blocks; ++b) {
-    I8Acc block_acc[MR][NV];
-    for (int v = 0; v < NV; ++v) {
-      const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * v);
-      for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
-    }
-    CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
-    for (int q = 0; q < kInt8Quads; ++q) {
-      const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes;
-      I8Weights w[NV];
-      for (int v = 0; v < NV; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
-      for (int v = 0; v < NV; ++v) {
-        if (later_panel == 0) {
-          prefetch_panel_ahead(quad_row + 4 * kLanes * v);
-        } else {
-          prefetch_later_panel(quad_row + 4 * kLanes * v + later_panel);
+    for (int g = 0; g < NV; g += G) {  // the block's quad rows, G vectors' columns at a time
+      I8Acc block_acc[MR][G];
+      for (int v = 0; v < G; ++v) {
+        const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * (g + v));
+        for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
+      }
+      CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
+      for (int q = 0; q < kInt8Quads; ++q) {
+        const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes + 4 * kLanes * g;
+        I8Weights w[G];
+        for (int v = 0; v < G; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
+        for (int v = 0; v < G; ++v) {
+          if (later_panel == 0) {
+            prefetch_panel_ahead(quad_row + 4 * kLanes * v);
+          } else {
+            prefetch_later_panel(quad_row + 4 * kLanes * v + later_panel);
+          }
+        }
+        for (int m = 0; m < MR; ++m) {
+          const I8Input input = i8_input(x + m * x_stride + (b * kInt8Quads + q) * kInputQuadBytes);
+          for (int v = 0; v < G; ++v) i8_dot(block_acc[m][v], w[v], input);
         }
       }
-      for (int m = 0; m < MR; ++m) {
-        const I8Input input = i8_input(x + m * x_stride + (b * kInt8Quads + q) * kInputQuadBytes);
-        for (int v = 0; v < NV; ++v) i8_dot(block_acc[m][v], w[v], input);
-      }
-    }
-    for (int v = 0; v < NV; ++v) {
-      const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * v);
-      for (int m = 0; m < MR; ++m) {
-        acc[m][v] = vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scales[m * blocks + b])), acc[m][v]);
+      for (int v = 0; v < G; ++v) {
+        const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * (g + v));
+        for (int m = 0; m < MR; ++m) {
+          acc[m][g + v] =
+              vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scales[m * blocks + b])), acc[m][g + v]);
+        }
       }
     }
   }

@@ -23,8 +23,14 @@ struct I8Weights {
 // 16 ymm registers (measured best of 1-4 rows, with the AVX2 tier forced on an Intel Xeon).
 constexpr int kI8TileRows = 2;
 constexpr int kI8TileVectors = 1;
-constexpr int kI8WholePanelRows = 0;  // no tile spans the panel (int8_linear_kernel.h)
-constexpr int kI8WholePanelRunRows = 0;
+// Calls of up to 16 rows run in tiles of 1-2 rows that span the panel, one 16-column vector
+// of a block at a time (int8_linear_kernel.h, i8_group_vectors): the 2 x 16 tile read each
+// 256-byte quad row in 4 strided passes. With the AVX2 tier forced on a Zen 4, SmolLM2's
+// projections at 1 / 4 / 8 / 16 rows: 11.4 / 14.2 / 18.8 / 31.5 ms before, 7.0 / 8.7 / 15.0 /
+// 29.5 after (weights from DRAM; not measured on a Zen 3 itself).
+constexpr int kI8WholePanelRows = 2;
+constexpr int kI8WholePanelRunRows = 16;
+constexpr int kI8WholePanelGroup = 1;
 
 // Not unrolled: GCC reassociates the unrolled vpmaddwd sums and spills the products (1.5x
 // slower at 256 rows unrolled, Zen 5).

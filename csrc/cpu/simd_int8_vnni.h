@@ -22,6 +22,7 @@ constexpr int kI8TileVectors = 2;
 // tried with them.
 constexpr int kI8WholePanelRows = 2;
 constexpr int kI8WholePanelRunRows = 16;
+constexpr int kI8WholePanelGroup = 4;  // all 4: 8 int32 and 8 fp32 accumulators at 2 rows
 
 inline I8Input i8_input(const int8_t* x) { return _mm512_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(const int16_t* sums) {
