@@ -145,6 +145,9 @@ void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, int64_
                 const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
 #ifdef CONTBATCH_I8_WIDENS
+  // int8_row_tiles prefetches the next panel of `values` from the panel-spanning tiles: they
+  // must read the panel itself, not its widened copy.
+  static_assert(kI8WholePanelRunRows < kI8WidenFromRows, "panel-spanning calls must not widen");
   if (rows >= kI8WidenFromRows) {
     char* bytes = static_cast<char*>(scratch);
     auto** widened_panel = reinterpret_cast<const int8_t**>(bytes);
