@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch.layers.attention import KVCache
+from contbatch.layers.huge_pages import huge_page_empty
 from contbatch.models.config import ModelConfig
 from contbatch.models.transformers_config import TransformersModelConfig
 from contbatch.ops.reference import KV_INT8_SCALE_BYTES
@@ -165,7 +166,10 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, list[KVCache]]:
         """The cache tensor (uninitialised: a block is written before it is read) and each layer's views."""
         shape = (self.layers_per_block, 2, num_blocks, self.num_kv_heads, self.block_size, self.row_len)
-        cache = torch.empty(shape, dtype=self.dtype, device=device)
+        if device.type == "cpu":
+            cache = huge_page_empty(shape, self.dtype)
+        else:
+            cache = torch.empty(shape, dtype=self.dtype, device=device)
         return cache, [(cache[place, 0], cache[place, 1]) for place in self.layer_places]
 
 

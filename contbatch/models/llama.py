@@ -26,6 +26,7 @@ from contbatch.layers.linear import (
 )
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
+from contbatch.layers.huge_pages import move_to_huge_pages, packed_tensors
 from contbatch.models import native_decoder
 from contbatch.models.config import ModelConfig
 from contbatch.ops.int8_blocks import Int8Blocks, quantize_weight
@@ -147,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
         if int8_lookup:
             self.embed_tokens = Int8Embedding(int8_table.data, embedding.dtype)
+        move_to_huge_pages(packed_tensors(self))
         if native_decoder.enabled() and native_decoder.unsupported_reason(self) is None:
             self.native_decoder = native_decoder.NativeDecoder(self)
 

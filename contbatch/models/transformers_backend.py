@@ -22,6 +22,7 @@ from contbatch.config import Quantization
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.layers.embedding import Int8Embedding
 from contbatch.layers.linear import Linear, int8_packed, pack_linears, quantize_linears
+from contbatch.layers.huge_pages import move_to_huge_pages, packed_tensors
 from contbatch.models.transformers_attention import ATTENTION_NAME, PagedStep, register_paged_attention
 from contbatch.models.transformers_config import TransformersModelConfig
 from contbatch.ops.int8_blocks import quantize_weight
@@ -129,6 +130,7 @@ def _pack_linear_layers(model: nn.Module, quantization: Quantization | None) -> 
     if quantization is not None and quantization.embeddings:
         table = model.get_input_embeddings().weight
         model.set_input_embeddings(Int8Embedding(int8_packed(quantize_weight(table)).data, table.dtype))
+    move_to_huge_pages(packed_tensors(model))
 
 
 @torch.inference_mode()
