@@ -342,6 +342,19 @@ struct BlockLoader {
   }
 };
 
+// chunk(visit) for each chunk of keys the item visits, in order, with `visit` located on it
+// (its head, start and length; its rows still to be read) and the blocks past it loaded ahead.
+template <class C, int D, class Chunk>
+inline void for_each_visit(const AttentionArgs& args, const WorkItem& item, const Chunk& chunk) {
+  VisitRows<C, D> visit(args, item);
+  BlockLoader<C, D> loader(visit);
+  for (int p = 0; p < visit.order.size(); ++p) {
+    visit.locate(p);
+    loader.keep_ahead_of(visit.start / args.block_size);
+    chunk(visit);
+  }
+}
+
 // One cache row's D values in the rows' type W (exact: an int8 |q| <= 127, a bf16 widened to
 // fp32), and its scale (an int8 row's; 1 for a bf16 row).
 template <int D, class W, class C>
@@ -498,18 +511,14 @@ void attend_item_by_lanes(const AttentionArgs& args, const WorkItem& item, float
     load_rows<uint16_t>(rows[g], args, kv_head_slice(args, item, g));
     load_row_lanes(lanes[g], rows[g]);
   }
-  VisitRows<uint16_t, 16 * NC> visit(args, item);
-  BlockLoader<uint16_t, 16 * NC> loader(visit);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
-  const uint16_t* k_rows[kChunk];
-  const uint16_t* v_rows[kChunk];
-  for (int p = 0; p < visit.order.size(); ++p) {
-    visit.locate(p);
-    loader.keep_ahead_of(visit.start / args.block_size);
+  for_each_visit<uint16_t, 16 * NC>(args, item, [&](VisitRows<uint16_t, 16 * NC>& visit) {
+    const uint16_t* k_rows[kChunk];
+    const uint16_t* v_rows[kChunk];
     visit.rows(k_rows, v_rows);
     softmax_chunk_by_lanes(rows[visit.head], lanes[visit.head], k_rows, visit.start, visit.length, scale_log2);
     accumulate_chunk_by_lanes(rows[visit.head], lanes[visit.head], v_rows, visit.length);
-  }
+  });
   for (int g = 0; g < item.num_kv_heads; ++g) {
     for (int r = 0; r < rows[g].count; ++r) {  // store_rows reads m and the lane sums of l
       rows[g].m[r] = lanes[g].m[r];
@@ -534,15 +543,11 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
   constexpr bool kWidened = !std::is_same_v<C, W>;
   Rows<W, NC> rows[kMaxKvHeadsPerItem];
   for (int g = 0; g < item.num_kv_heads; ++g) load_rows<T>(rows[g], args, kv_head_slice(args, item, g));
-  VisitRows<C, 16 * NC> visit(args, item);
-  BlockLoader<C, 16 * NC> loader(visit);
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
   const W* k_rows[kChunk];
   const W* v_rows[kChunk];
   [[maybe_unused]] std::conditional_t<kWidened, WidenedRows<W, 16 * NC>, NoWidenedRows> widened;
-  for (int p = 0; p < visit.order.size(); ++p) {
-    visit.locate(p);
-    loader.keep_ahead_of(visit.start / args.block_size);
+  for_each_visit<C, 16 * NC>(args, item, [&](VisitRows<C, 16 * NC>& visit) {
     Vec16 key_scale_log2 = scale_log2;
     const float* value_scales = nullptr;
     if constexpr (kWidened) {
@@ -560,7 +565,7 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
     Rows<W, NC>& head_rows = rows[visit.head];
     softmax_chunk(head_rows, k_rows, visit.start, visit.length, key_scale_log2, value_scales);
     accumulate_chunk(head_rows, v_rows, visit.length);
-  }
+  });
   for (int g = 0; g < item.num_kv_heads; ++g) store_rows<T>(rows[g], args, kv_head_slice(args, item, g), partials);
 }
 
