@@ -20,9 +20,8 @@ KV cache is committed 2 MiB at a time (chat256's peak RSS 1.9 against 1.6-1.7 Gi
 ``CONTBATCH_HUGE_PAGES=0`` turns both off, to compare.
 """
 
-import ctypes
-import ctypes.util
 import math
+import mmap
 import os
 import sys
 
@@ -33,7 +32,6 @@ from contbatch.layers.linear import PackedWeight
 from contbatch.ops.int8_blocks import PackedInt8
 
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _ALIGNMENT = 64  # each tensor starts on a cache line, as the allocator would place it
 
 
@@ -62,7 +60,7 @@ def _tensors_of(value: object) -> list[torch.Tensor]:
         if isinstance(value, torch.Tensor) and value.layout == torch.strided:
             return [value]
     if isinstance(value, PackedInt8):
-        return [value.values, value.scales, value.sums]
+        return [value.values, value.scales]
     return []
 
 
@@ -104,13 +102,17 @@ def _padded(nbytes: int) -> int:
 
 
 def _advised_buffer(nbytes: int) -> torch.Tensor | None:
-    """An untouched uint8 buffer of ``nbytes`` starting on a huge page boundary, advised
-    MADV_HUGEPAGE; None where madvise refuses (a kernel without transparent huge pages)."""
+    """A uint8 buffer of ``nbytes`` starting on a huge page boundary, in fresh anonymous memory
+    (never touched: malloc could hand back pages already backed by 4 KiB ones) advised
+    MADV_HUGEPAGE; None where madvise refuses (a kernel without transparent huge pages). The
+    tensor keeps the mapping alive."""
     advised = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    raw = torch.empty(advised + HUGE_PAGE_BYTES, dtype=torch.uint8)  # large: fresh, untouched pages
-    start = -raw.data_ptr() % HUGE_PAGE_BYTES  # < 2 MiB, so the advised range stays inside raw
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if libc.madvise(raw.data_ptr() + start, advised, _MADV_HUGEPAGE) != 0:
+    # Private: a shared anonymous mapping is shmem, whose huge pages are a separate setting.
+    memory = mmap.mmap(-1, advised + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES  # < 2 MiB, so the advised range stays inside
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE, start, advised)
+    except (AttributeError, OSError):
         return None
     return raw[start : start + nbytes]
