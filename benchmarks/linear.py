@@ -54,7 +54,7 @@ def tensor_bytes(tensors) -> int:
 
 def packed_bytes(packed: PackedWeight) -> int:
     data = packed.data
-    return tensor_bytes((data.values, data.scales, data.sums) if packed.layout == "int8" else (data,))
+    return tensor_bytes((data.values, data.scales) if packed.layout == "int8" else (data,))
 
 
 def int8_weight(weight: torch.Tensor) -> PackedWeight:
@@ -86,7 +86,7 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
     names = list(results)
     copies_note = f" ({copies} copies of them, run one after another, times per copy)" if copies > 1 else ""
     int8_note = (f" `int8`: the same weights in 8-bit blocks ({step_bytes['int8'] / 1e6:.0f} MB with their "
-                 f"scales and sums) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
+                 f"scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
     lines = [
         f"One step = SmolLM2-135M's 121 bf16 projections{copies_note}, {step_bytes[names[0]] / 1e6:.0f} MB of weights."
         f"{int8_note} "

@@ -37,12 +37,12 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
 // fp32/bf16 rows, and the linear layer over a block-quantized, panel-packed weight.
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input);
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-                     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
+                     const at::Tensor& values, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias);
 // Both in one call: a decode step's 121 linear layers each save an op dispatch and two
 // tensor allocations in Python (int8_linear's inputs are those of int8_quantize_rows).
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
-                              const at::Tensor& scales, const at::Tensor& sums, const std::optional<at::Tensor>& bias);
+                              const at::Tensor& scales, const std::optional<at::Tensor>& bias);
 // Which int8 kernel runs now ("generic", "avx2", "avx_vnni" or "avx512_vnni").
 std::string int8_kernel_isa();
 // Runs int8 kernel `name` from now on, whatever the tier ("auto" or "": chosen by the tier),

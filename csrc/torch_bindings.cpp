@@ -22,10 +22,10 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
   m.def("int8_quantize_rows(Tensor input) -> (Tensor, Tensor)");
   m.def(
-      "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, Tensor sums, "
+      "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, "
       "Tensor? bias) -> ()");
   m.def(
-      "int8_quantize_linear(Tensor(a!) out, Tensor input, Tensor values, Tensor scales, Tensor sums, Tensor? bias) "
+      "int8_quantize_linear(Tensor(a!) out, Tensor input, Tensor values, Tensor scales, Tensor? bias) "
       "-> ()");
   m.def("int8_kernel_isa() -> str", &contbatch::int8_kernel_isa);
   m.def("set_int8_kernel(str name) -> str", &contbatch::set_int8_kernel);

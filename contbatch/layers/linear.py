@@ -89,7 +89,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype, device=x.device)
     if packed.layout == "int8":
         weight = packed.data
-        ops.int8_quantize_linear(out, rows, weight.values, weight.scales, weight.sums, bias)
+        ops.int8_quantize_linear(out, rows, weight.values, weight.scales, bias)
     else:
         ops.bf16_linear(out, rows, packed.data, bias)
     return out if flat else out.view(*x.shape[:-1], packed.out_features)

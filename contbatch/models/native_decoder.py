@@ -73,11 +73,11 @@ def _linears(layer: torch.nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
 
 def _native_linear(linear: Linear) -> torch.ScriptObject:
     packed = linear.packed_weight
-    scales = sums = None
+    scales = None
     data = packed.data
     if packed.layout == "int8":
-        data, scales, sums = packed.data.values, packed.data.scales, packed.data.sums
-    return torch.classes.contbatch.PackedLinear(packed.layout, data, scales, sums, linear.bias, packed.out_features)
+        data, scales = packed.data.values, packed.data.scales
+    return torch.classes.contbatch.PackedLinear(packed.layout, data, scales, linear.bias, packed.out_features)
 
 
 class NativeDecoder:

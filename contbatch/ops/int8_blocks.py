@@ -11,9 +11,13 @@ The kernel's weight layout (``csrc/cpu/int8_linear_kernel.h``) is panels of 64 o
 columns, like the bf16 kernel's (``panel_layout.py``), in quads of 4 inputs:
 ``values[panel, block, quad, column, :]`` holds ``q[64 * panel + column, 32 * block + 4 * quad : + 4]``:
 one ``[quad]`` row (64 columns x 4 inputs, 256 bytes) is what AVX-512 VNNI's ``vpdpbusd``
-multiplies against one broadcast quad of inputs. Beside it, per panel, block and column:
-the fp16 scale and the sum of the block's 32 values (int16), which the VNNI kernel needs
-because it feeds activations as unsigned bytes (q + 128) and subtracts 128 * sum after.
+multiplies against one broadcast quad of inputs. The values are stored as unsigned bytes,
+q + 128: ``vpdpbusd`` multiplies unsigned bytes by signed ones, and with the weights the
+unsigned side the activations stay signed and can be broadcast straight from memory into
+the instruction, while the offset costs one correction per row and block, -128 times the
+block's activation sum, computed once per call (instead of one per column, block and
+call from a stored sum of each weight block). Beside the values, per panel, block and
+column: the fp16 scale.
 """
 
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ BLOCK = 32
 QUAD = 4
 PANEL_COLUMNS = 64
 QMAX = 127  # values lie in [-127, 127]: symmetric, so -q never overflows
+WEIGHT_OFFSET = 128  # packed weights are stored as q + 128 (module docstring)
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,8 @@ def _rounded(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 class PackedInt8:
     """A quantized weight in the int8 kernel's layout (module docstring)."""
 
-    values: torch.Tensor  # int8 [panels, blocks, 8, 64, 4]
+    values: torch.Tensor  # uint8 [panels, blocks, 8, 64, 4]: q + 128
     scales: torch.Tensor  # fp16 [panels, blocks, 64]
-    sums: torch.Tensor  # int16 [panels, blocks, 64]
     out_features: int
     in_features: int
 
@@ -98,12 +102,11 @@ def pack_int8(weight: Int8Blocks) -> PackedInt8:
     extra_rows = panels * PANEL_COLUMNS - out_features
     values = F.pad(weight.values, (0, 0, 0, extra_rows))
     scales = F.pad(weight.scales.to(torch.float16), (0, 0, 0, extra_rows))
-    by_block = values.view(panels, PANEL_COLUMNS, blocks, BLOCK // QUAD, QUAD)
-    sums = by_block.sum(dim=(-1, -2), dtype=torch.int32).to(torch.int16)  # |sum| <= 32 * 127
+    offset = (values.to(torch.int16) + WEIGHT_OFFSET).to(torch.uint8)
+    by_block = offset.view(panels, PANEL_COLUMNS, blocks, BLOCK // QUAD, QUAD)
     return PackedInt8(
         values=by_block.permute(0, 2, 3, 1, 4).contiguous(),
         scales=scales.view(panels, PANEL_COLUMNS, blocks).transpose(1, 2).contiguous(),
-        sums=sums.transpose(1, 2).contiguous(),
         out_features=out_features,
         in_features=weight.in_features,
     )
@@ -112,7 +115,8 @@ def pack_int8(weight: Int8Blocks) -> PackedInt8:
 def unpack_int8(packed: PackedInt8) -> Int8Blocks:
     """Inverse of :func:`pack_int8`."""
     panels, blocks = packed.values.shape[:2]
-    values = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * BLOCK)
+    stored = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * BLOCK)
+    values = (stored.to(torch.int16) - WEIGHT_OFFSET).to(torch.int8)
     scales = packed.scales.transpose(1, 2).reshape(panels * PANEL_COLUMNS, blocks)
     return Int8Blocks(values[: packed.out_features], scales[: packed.out_features], packed.in_features)
 

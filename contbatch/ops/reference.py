@@ -204,14 +204,12 @@ def int8_linear(
     x_scales: torch.Tensor,
     values: torch.Tensor,
     scales: torch.Tensor,
-    sums: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
     """out = x @ weight.T (+ bias) from quantized activations and a packed int8 weight."""
-    del sums  # only the VNNI kernel's unsigned inputs need them
     rows, out_features = out.shape
     padded = x_values.shape[1]
-    packed = int8_blocks.PackedInt8(values, scales, torch.empty(0), out_features, padded)
+    packed = int8_blocks.PackedInt8(values, scales, out_features, padded)
     weight = int8_blocks.unpack_int8(packed)
     x = int8_blocks.Int8Blocks(x_values, x_scales, padded)
     out.copy_(int8_blocks.int8_linear_reference(x, weight, bias))
@@ -222,9 +220,8 @@ def int8_quantize_linear(
     x: torch.Tensor,
     values: torch.Tensor,
     scales: torch.Tensor,
-    sums: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
     """int8_quantize_rows, then int8_linear, in one call."""
     x_values, x_scales = int8_quantize_rows(x)
-    int8_linear(out, x_values, x_scales, values, scales, sums, bias)
+    int8_linear(out, x_values, x_scales, values, scales, bias)

@@ -1,10 +1,12 @@
 // Function table of the int8 linear kernel (int8_linear_kernel.h), one per int8 tier.
 //
 // Layouts (contbatch/ops/int8_blocks.py): a row is cut into blocks of 32 inputs, each 32
-// signed 8-bit values in [-127, 127] and one scale. Weights are panels of 64 output columns:
-// values[panel][block][quad][column][4] holds the column's inputs 32 * block + 4 * quad + 0..3,
-// and per panel, block and column an fp16 scale and the int16 sum of the block's values.
-// Activations are rows of values [rows][blocks * 32] with fp32 scales [rows][blocks].
+// signed 8-bit values q in [-127, 127] and one scale. Weights are panels of 64 output columns:
+// values[panel][block][quad][column][4] holds the column's inputs 32 * block + 4 * quad + 0..3
+// as unsigned bytes q + 128, and per panel, block and column an fp16 scale. Activations are
+// rows of values [rows][blocks * 32] (signed) with fp32 scales [rows][blocks]; the driver
+// adds each row's offsets [rows][blocks], -128 * (the block's sum of values), which take the
+// weights' +128 out of every block's dot product.
 //
 // The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
 // VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs; else AVX-VNNI
@@ -33,13 +35,13 @@ template <class T>  // T: float or uint16_t (bf16 bits), the activations' and ou
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
   // be nullptr), x's rows (x_stride bytes apart) staged by the driver beforehand as the
-  // table's input_xor and input_bytes say (Int8Kernels): the int32 dot product of each
-  // block, times the row's and column's scales, summed over blocks in fp32 and rounded to T
-  // once, after the bias. `scratch` holds int8_scratch_bytes(blocks), 64-byte aligned,
+  // table's input_bytes says (Int8Kernels), their offsets x_offsets ([rows][blocks]): the
+  // int32 dot product of each block plus its offset, times the row's and column's scales,
+  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds int8_scratch_bytes(blocks), 64-byte aligned,
   // private to the calling thread, its header zeroed by the driver before the thread's
   // first task of the call.
-  void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
-                const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+  void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
+                int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, void* scratch);
   // One row of in_features inputs into blocks: scale = max|x| / 127, q = round-half-even(
   // x * (127 / max|x|)), zero past in_features up to whole blocks.
@@ -52,11 +54,9 @@ struct Int8TypedKernels {
 
 struct Int8Kernels {
   const char* name;
-  // How the driver stages the inputs, once per call, before `panel` reads them: each value
-  // XORed with input_xor (0x80 where vpdpbusd takes q + 128 as unsigned bytes, 0 where they
-  // stay as quantized), then stored in input_bytes bytes: 1, or 2 where the tier multiplies
-  // int16 (AVX2's vpmaddwd), sign-extended.
-  uint8_t input_xor;
+  // How the driver stages the inputs, once per call, before `panel` reads them: in
+  // input_bytes bytes each, 1 (as quantized), or 2 where the tier multiplies int16 (AVX2's
+  // vpmaddwd), sign-extended.
   uint8_t input_bytes;
   int64_t tile_rows;  // rows of the panel kernel's register tile: the driver's unit of work (panel_runs.h)
   const Int8TypedKernels<float>* fp32;

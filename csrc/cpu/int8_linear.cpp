@@ -86,20 +86,6 @@ const cpu::Int8TypedKernels<T>& typed(const cpu::Int8Kernels& kernels) {
   }
 }
 
-// to[i] = from[i] ^ mask for i < n (from == to allowed). Eight bytes at a time: the compiler
-// vectorizes it for the baseline ISA, and it runs once per call over the inputs only.
-void xor_bytes(const int8_t* from, int8_t* to, int64_t n, uint8_t mask) {
-  const uint64_t wide = 0x0101010101010101ull * mask;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t bits;
-    std::memcpy(&bits, from + i, sizeof bits);
-    bits ^= wide;
-    std::memcpy(to + i, &bits, sizeof bits);
-  }
-  for (; i < n; ++i) to[i] = static_cast<int8_t>(from[i] ^ mask);
-}
-
 void check_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, ": ", name,
                    " must be torch.float32 or torch.bfloat16, got ", dtype_name(t.scalar_type()));
@@ -115,70 +101,61 @@ void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shap
                     shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
 }
 
-// Quantizes input's rows into values and scales, each row's bytes XORed with `input_xor`.
+// Quantizes input's rows into values and scales.
 template <class T>
-void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at::Tensor& values, at::Tensor& scales,
-                   uint8_t input_xor) {
+void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at::Tensor& values, at::Tensor& scales) {
   const auto& kernel = typed<T>(kernels);
   const auto* x = static_cast<const T*>(input.data_ptr());
   auto* q = values.data_ptr<int8_t>();
   auto* s = scales.data_ptr<float>();
   const int64_t in_features = input.size(1), padded = values.size(1), blocks = scales.size(1);
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
-      if (input_xor != 0) xor_bytes(q + r * padded, q + r * padded, padded, input_xor);
-    }
+    for (int64_t r = begin; r < end; ++r) kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, const at::Tensor& input,
-                                            uint8_t input_xor) {
+std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, const at::Tensor& input) {
   const int64_t rows = input.size(0);
   const int64_t blocks = (input.size(1) + cpu::kInt8Block - 1) / cpu::kInt8Block;
   at::Tensor values = at::empty({rows, blocks * cpu::kInt8Block}, input.options().dtype(at::kChar));
   at::Tensor scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
   if (input.scalar_type() == at::kFloat) {
-    quantize_rows<float>(kernels, input, values, scales, input_xor);
+    quantize_rows<float>(kernels, input, values, scales);
   } else {
-    quantize_rows<uint16_t>(kernels, input, values, scales, input_xor);
+    quantize_rows<uint16_t>(kernels, input, values, scales);
   }
   return {values, scales};
 }
 
-// to[i] = from[i] ^ mask for i < n, sign-extended to int16.
-void xor_widen(const int8_t* from, int16_t* to, int64_t n, uint8_t mask) {
-  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<int8_t>(from[i] ^ mask);
-}
-
-// x_values as `kernels`' panels read them (Int8Kernels: input_xor, input_bytes). `xored`:
-// x_values' bytes carry the XOR already (int8_quantize_linear quantizes them so).
-at::Tensor staged_inputs(const cpu::Int8Kernels& kernels, const at::Tensor& x_values, bool xored) {
-  const uint8_t mask = xored ? 0 : kernels.input_xor;
-  if (x_values.numel() == 0 || (mask == 0 && kernels.input_bytes == 1)) return x_values;
+// The inputs as `kernels`' panels read them (Int8Kernels::input_bytes), and each row's block
+// offsets [rows][blocks]: -128 * (the block's sum of inputs), which cancel the +128 that the
+// packed weights carry (q + 128) in the block's dot product.
+std::tuple<at::Tensor, at::Tensor> staged_inputs(const cpu::Int8Kernels& kernels, const at::Tensor& x_values) {
+  const int64_t rows = x_values.size(0), row = x_values.size(1), blocks = row / cpu::kInt8Block;
+  at::Tensor offsets = at::empty({rows, blocks}, x_values.options().dtype(at::kInt));
+  at::Tensor staged = kernels.input_bytes == 2 ? at::empty(x_values.sizes(), x_values.options().dtype(at::kShort))
+                                               : x_values;
   const auto* from = x_values.data_ptr<int8_t>();
-  const int64_t row = x_values.size(1);
-  if (kernels.input_bytes == 2) {
-    at::Tensor staged = at::empty(x_values.sizes(), x_values.options().dtype(at::kShort));
-    auto* to = staged.data_ptr<int16_t>();
-    at::parallel_for(0, x_values.size(0), 64, [&](int64_t begin, int64_t end) {
-      xor_widen(from + begin * row, to + begin * row, (end - begin) * row, mask);
-    });
-    return staged;
-  }
-  at::Tensor staged = at::empty(x_values.sizes(), x_values.options());
-  auto* to = staged.data_ptr<int8_t>();
-  at::parallel_for(0, x_values.size(0), 64, [&](int64_t begin, int64_t end) {
-    xor_bytes(from + begin * row, to + begin * row, (end - begin) * row, mask);
+  auto* offset = offsets.data_ptr<int32_t>();
+  auto* wide = kernels.input_bytes == 2 ? staged.data_ptr<int16_t>() : nullptr;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * blocks; i < end * blocks; ++i) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < cpu::kInt8Block; ++k) sum += from[i * cpu::kInt8Block + k];
+      offset[i] = -128 * sum;
+    }
+    if (wide != nullptr) {
+      for (int64_t i = begin * row; i < end * row; ++i) wide[i] = from[i];
+    }
   });
-  return staged;
+  return {staged, offsets};
 }
 
 // x_values: the inputs as staged_inputs gives them for `kernels`.
 template <class T>
 void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values,
-                const at::Tensor& x_scales, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
-                const std::optional<at::Tensor>& bias) {
+                const at::Tensor& x_scales, const at::Tensor& x_offsets, const at::Tensor& values,
+                const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   const auto& kernel = typed<T>(kernels);
   const int64_t rows = out.size(0), out_features = out.size(1);
   const int64_t panels = values.size(0), blocks = values.size(1);
@@ -187,25 +164,24 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const auto* x = static_cast<const int8_t*>(x_values.data_ptr());
   const int64_t x_stride = x_values.stride(0) * x_values.element_size();  // bytes
   const auto* xs = x_scales.data_ptr<float>();
-  const auto* w = values.data_ptr<int8_t>();
+  const auto* xo = x_offsets.data_ptr<int32_t>();
+  const auto* w = values.data_ptr<uint8_t>();
   const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
-  const auto* wsum = sums.data_ptr<int16_t>();
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
   for_panel_runs(rows, panels, kernels.tile_rows, cpu::int8_scratch_bytes(blocks),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
-                   kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, run.rows, blocks,
-                                w + run.panel * panel_values, ws + run.panel * panel_scales,
-                                wsum + run.panel * panel_scales, b == nullptr ? nullptr : b + column0,
+                   kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
+                                run.rows, blocks, w + run.panel * panel_values, ws + run.panel * panel_scales,
+                                b == nullptr ? nullptr : b + column0,
                                 o + run.row0 * out.stride(0) + column0, out.stride(0),
                                 std::min(cpu::kInt8PanelColumns, out_features - column0), scratch);
                  });
 }
 
 void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-                  const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
-                  const std::optional<at::Tensor>& bias) {
+                  const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   check_rows(out, "int8_linear", "out");
   const int64_t rows = out.size(0), out_features = out.size(1);
   TORCH_CHECK_VALUE(values.dim() == 5, "int8_linear: values must be [panels, blocks, 8, 64, 4], got shape ",
@@ -213,23 +189,22 @@ void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::T
   const int64_t panels = values.size(0), blocks = values.size(1);
   TORCH_CHECK_VALUE(panels == (out_features + cpu::kInt8PanelColumns - 1) / cpu::kInt8PanelColumns,
                     "int8_linear: values has ", panels, " panels for ", out_features, " outputs");
-  check_exact(values, at::kChar, {panels, blocks, cpu::kInt8Quads, cpu::kInt8PanelColumns, 4}, "values");
+  check_exact(values, at::kByte, {panels, blocks, cpu::kInt8Quads, cpu::kInt8PanelColumns, 4}, "values");
   check_exact(scales, at::kHalf, {panels, blocks, cpu::kInt8PanelColumns}, "scales");
-  check_exact(sums, at::kShort, {panels, blocks, cpu::kInt8PanelColumns}, "sums");
   check_exact(x_values, at::kChar, {rows, blocks * cpu::kInt8Block}, "x_values");
   check_exact(x_scales, at::kFloat, {rows, blocks}, "x_scales");
   if (bias.has_value()) check_exact(*bias, out.scalar_type(), {out_features}, "bias");
 }
 
-// int8_linear over checked arguments, x_values staged for `kernels` (staged_inputs).
+// int8_linear over checked arguments, with x_values as quantized.
 void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-            const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
-            const std::optional<at::Tensor>& bias) {
+            const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   if (out.size(0) == 0 || out.size(1) == 0) return;
+  const auto [staged, offsets] = staged_inputs(kernels, x_values);
   if (out.scalar_type() == at::kFloat) {
-    run_panels<float>(kernels, out, x_values, x_scales, values, scales, sums, bias);
+    run_panels<float>(kernels, out, staged, x_scales, offsets, values, scales, bias);
   } else {
-    run_panels<uint16_t>(kernels, out, x_values, x_scales, values, scales, sums, bias);
+    run_panels<uint16_t>(kernels, out, staged, x_scales, offsets, values, scales, bias);
   }
 }
 
@@ -250,19 +225,17 @@ const cpu::Int8Kernels& active_int8_kernels() {
 
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input) {
   check_rows(input, "int8_quantize_rows", "input");
-  return quantize(active_int8_kernels(), input, /*input_xor=*/0);
+  return quantize(active_int8_kernels(), input);
 }
 
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-                     const at::Tensor& values, const at::Tensor& scales, const at::Tensor& sums,
-                     const std::optional<at::Tensor>& bias) {
-  check_linear(out, x_values, x_scales, values, scales, sums, bias);
-  const cpu::Int8Kernels& kernels = active_int8_kernels();
-  linear(kernels, out, staged_inputs(kernels, x_values, /*xored=*/false), x_scales, values, scales, sums, bias);
+                     const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+  check_linear(out, x_values, x_scales, values, scales, bias);
+  linear(active_int8_kernels(), out, x_values, x_scales, values, scales, bias);
 }
 
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
-                              const at::Tensor& scales, const at::Tensor& sums, const std::optional<at::Tensor>& bias) {
+                              const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(input.dim() == 2 && out.dim() == 2 && input.size(0) == out.size(0),
                     "int8_quantize_linear: input [rows, in_features] and out [rows, out_features] must have the "
                     "same rows, got ",
@@ -271,11 +244,10 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                    "int8_quantize_linear: input and out must have one dtype, got ", dtype_name(input.scalar_type()),
                    " and ", dtype_name(out.scalar_type()));
   check_rows(input, "int8_quantize_rows", "input");
-  // One kernel table for both steps: the quantized rows come out XORed for it.
-  const cpu::Int8Kernels& kernels = active_int8_kernels();
-  const auto [x_values, x_scales] = quantize(kernels, input, kernels.input_xor);
-  check_linear(out, x_values, x_scales, values, scales, sums, bias);
-  linear(kernels, out, staged_inputs(kernels, x_values, /*xored=*/true), x_scales, values, scales, sums, bias);
+  const cpu::Int8Kernels& kernels = active_int8_kernels();  // one kernel table for both steps
+  const auto [x_values, x_scales] = quantize(kernels, input);
+  check_linear(out, x_values, x_scales, values, scales, bias);
+  linear(kernels, out, x_values, x_scales, values, scales, bias);
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }

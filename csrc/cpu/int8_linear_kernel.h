@@ -1,11 +1,12 @@
 // The int8 linear kernel over block-quantized panels (layouts: int8_kernel_api.h), written
 // once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
-//   kI8InputXor                           the byte the driver XORs every input with first
 //   kI8InputBytes                         1, or 2 where the driver sign-extends them to int16
-//   I8Input i8_input(const int8_t*)       a row's quad (4 inputs as staged) in every lane
-//   I8Acc i8_start(const int16_t* sums)   16 columns' int32 accumulators at a block's start
-//   I8Weights i8_load(const int8_t*)      16 columns x 4 inputs of a quad row (and, on tiers
-//                                         that define CONTBATCH_I8_WIDENS, from int16 too)
+//   I8Input i8_input(const int8_t*)       a row's quad (4 inputs as staged), as i8_dot takes it
+//   I8Acc i8_start(int32_t offset)        16 columns' int32 accumulators at a block's start:
+//                                         the row's offset for the block in each
+//   I8Weights i8_load(const uint8_t*)     16 columns x 4 stored weights (q + 128) of a quad
+//                                         row (and, on tiers that define CONTBATCH_I8_WIDENS,
+//                                         from int16 too)
 //   i8_dot(I8Acc&, I8Weights, I8Input)    acc += the quad's dot product, per column
 //   Vec16 i8_finish(I8Acc)                the 16 columns' block sums as fp32
 //   Vec16 vload_f16(const uint16_t*)      16 fp16 scales
@@ -20,9 +21,10 @@
 // A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16
 // (a tile of at most kI8WholePanelRows rows: the whole panel at once, see i8_tile_vectors),
 // its input quads broadcast from the rows as the driver staged them (int8_kernel_api.h):
-// per block, each quad row of weights loaded once feeds every row of the tile, the block's
-// int32 sums become fp32 once (times the two scales), and the fp32 sums over blocks are
-// rounded to the output type once.
+// per block, each row's accumulators start at its offset (-128 x the block's input sum,
+// which cancels the weights' +128), each quad row of weights loaded once feeds every row of
+// the tile, the block's int32 sums become fp32 once (times the two scales), and the fp32
+// sums over blocks are rounded to the output type once.
 //
 // Tiers whose int8 products need int16 operands (CONTBATCH_I8_WIDENS: AVX2's vpmaddwd) widen
 // the whole panel to int16 once per call when it has kI8WidenFromRows rows or more, so the
@@ -54,15 +56,15 @@ constexpr int i8_group_vectors() {
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
 constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 
-// out[MR, columns] for the column tile whose quad rows start at `values` (int8, or widened
-// to int16), its scales and sums at `scales`, `sums`; rows of staged inputs from x (x_stride
-// bytes apart), their block scales from x_scales ([MR][blocks]). later_panel: 0, or how far
+// out[MR, columns] for the column tile whose quad rows start at `values` (uint8, or widened
+// to int16), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
+// their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel: 0, or how far
 // on (in W) the weights of the panel read next lie, for a tile that reads this panel from
 // cache (not the run's first tile): it then prefetches those instead of its own.
 template <int MR, class T, class W>
-inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t blocks, const W* values,
-                      const uint16_t* scales, const int16_t* sums, const T* bias, T* out, int64_t out_stride,
-                      int64_t columns, int64_t later_panel = 0) {
+inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
+                      int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
+                      int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   constexpr int NV = i8_tile_vectors<MR>();
   Vec16 acc[MR][NV];
   for (int m = 0; m < MR; ++m) {
@@ -73,9 +75,9 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   for (int64_t b = 0; b < blocks; ++b) {
     for (int g = 0; g < NV; g += G) {  // the block's quad rows, G vectors' columns at a time
       I8Acc block_acc[MR][G];
-      for (int v = 0; v < G; ++v) {
-        const I8Acc start = i8_start(sums + b * kInt8PanelColumns + kLanes * (g + v));
-        for (int m = 0; m < MR; ++m) block_acc[m][v] = start;
+      for (int m = 0; m < MR; ++m) {
+        const I8Acc start = i8_start(x_offsets[m * blocks + b]);
+        for (int v = 0; v < G; ++v) block_acc[m][v] = start;
       }
       CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
       for (int q = 0; q < kInt8Quads; ++q) {
@@ -108,15 +110,15 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
 
 // later_panel: int8_tile's, for every row tile but the first.
 template <int kTileRows, class T, class W>
-void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
-                       const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
+                       int64_t rows, int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                        int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   for_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
     for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
-      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, blocks, values + 4 * c0, scales + c0,
-                    sums + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0, out_stride, width,
-                    r == 0 ? 0 : later_panel);
+      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
+                    values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0,
+                    out_stride, width, r == 0 ? 0 : later_panel);
     });
   });
 }
@@ -125,24 +127,25 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // panel, the first reading it in address order and the others from cache while they prefetch
 // the next panel in memory (a thread's next call reads it: panel_runs.h); more, the tier's tiles.
 template <class T, class W>
-void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
-                    const W* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
+                    int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
-      return int8_row_tiles_of<kI8WholePanelRows>(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias,
-                                                  out, out_stride, columns, blocks * kInt8Quads * kQuadRowBytes);
+      return int8_row_tiles_of<kI8WholePanelRows>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales,
+                                                  bias, out, out_stride, columns,
+                                                  blocks * kInt8Quads * kQuadRowBytes);
     }
   }
-  int8_row_tiles_of<kI8TileRows>(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride,
-                                 columns);
+  int8_row_tiles_of<kI8TileRows>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
+                                 out_stride, columns);
 }
 
 // Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
 // the thread's next task on the same panel.
 template <class T>
-void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, int64_t rows, int64_t blocks,
-                const int8_t* values, const uint16_t* scales, const int16_t* sums, const T* bias, T* out,
+void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
+                int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
 #ifdef CONTBATCH_I8_WIDENS
   // int8_row_tiles prefetches the next panel of `values` from the panel-spanning tiles: they
@@ -150,17 +153,17 @@ void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, int64_
   static_assert(kI8WholePanelRunRows < kI8WidenFromRows, "panel-spanning calls must not widen");
   if (rows >= kI8WidenFromRows) {
     char* bytes = static_cast<char*>(scratch);
-    auto** widened_panel = reinterpret_cast<const int8_t**>(bytes);
+    auto** widened_panel = reinterpret_cast<const uint8_t**>(bytes);
     auto* wide = reinterpret_cast<int16_t*>(bytes + kInt8ScratchHeader);
     if (*widened_panel != values) {
       for (int64_t i = 0; i < blocks * kInt8Block * kInt8PanelColumns; ++i) wide[i] = values[i];
       *widened_panel = values;
     }
-    return int8_row_tiles(x, x_stride, x_scales, rows, blocks, static_cast<const int16_t*>(wide), scales, sums,
+    return int8_row_tiles(x, x_stride, x_scales, x_offsets, rows, blocks, static_cast<const int16_t*>(wide), scales,
                           bias, out, out_stride, columns);
   }
 #endif
-  int8_row_tiles(x, x_stride, x_scales, rows, blocks, values, scales, sums, bias, out, out_stride, columns);
+  int8_row_tiles(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride, columns);
 }
 
 // 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).
@@ -211,5 +214,5 @@ constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_r
                                             &int8_quantize_kv_row<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
                                                &int8_quantize_kv_row<uint16_t>};
-constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputXor, kI8InputBytes, kI8TileRows, &kInt8Fp32,
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputBytes, kI8TileRows, &kInt8Fp32,
                                  &kInt8Bf16};

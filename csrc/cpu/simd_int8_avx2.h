@@ -1,13 +1,14 @@
-// The int8 section (int8_linear_kernel.h) for AVX2: weights widened to int16 and multiplied
-// by vpmaddwd, which adds pairs of int16 products into int32 lanes, 16 products an
-// instruction, exactly (no vpmaddubsw saturation). A 256-bit register holds 4 columns x 4
-// inputs; its int32 lanes hold each column's two pair sums, added at the block's end.
+// The int8 section (int8_linear_kernel.h) for AVX2: the stored weights (q + 128) widened
+// to int16 and multiplied by vpmaddwd, which adds pairs of int16 products into int32 lanes,
+// 16 products an instruction, exactly (no vpmaddubsw saturation). A 256-bit register holds
+// 4 columns x 4 inputs; its int32 lanes hold each column's two pair sums, added at the
+// block's end, and the row's block offset (-128 x the block's input sum) starts one lane of
+// each column.
 // Included after simd_avx2.h inside an int8 TU's target region.
 #pragma once
 
 #include "simd_int8_ymm.h"
 
-constexpr uint8_t kI8InputXor = 0;  // the inputs as quantized (int8_kernel_api.h)
 // The driver sign-extends the inputs to int16 once per call (a quad: 8 bytes). Widening them
 // in the kernel instead, once per row tile and panel, took 13% of a 256-row call (Zen 5).
 constexpr int kI8InputBytes = 2;
@@ -40,14 +41,14 @@ inline I8Input i8_input(const int8_t* x) {  // the row's quad, 4 int16 inputs, i
   std::memcpy(&quad, x, sizeof quad);
   return _mm256_set1_epi64x(quad);
 }
-inline I8Acc i8_start(const int16_t*) {
-  const __m256i zero = _mm256_setzero_si256();
-  return {{zero, zero, zero, zero}};
+inline I8Acc i8_start(int32_t offset) {
+  const __m256i start = _mm256_set_epi32(0, offset, 0, offset, 0, offset, 0, offset);  // a column's first lane
+  return {{start, start, start, start}};
 }
-inline I8Weights i8_load(const int8_t* w) {
+inline I8Weights i8_load(const uint8_t* w) {
   I8Weights widened;
   for (int j = 0; j < 4; ++j) {
-    widened.columns[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j)));
+    widened.columns[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j)));
   }
   return widened;
 }

@@ -1,13 +1,16 @@
 // The int8 section (int8_linear_kernel.h) for AVX-VNNI: the VEX-encoded 256-bit vpdpbusd of
 // Intel's AVX2 client CPUs (Alder Lake and later), which have no AVX-512. Like the AVX-512
 // VNNI section, 4 unsigned bytes times 4 signed bytes are added into an int32 lane, 32
-// products an instruction (twice vpmaddwd's 16, with no separate add); inputs enter as
-// q + 128 and each block's accumulator starts at -128 * (the column's sum of weights).
+// products an instruction (twice vpmaddwd's 16, with no separate add): the stored weights
+// (q + 128) unsigned, the inputs signed, each block's accumulator starting at the row's
+// offset (simd_int8_dpbusd.h). The VEX encoding has no embedded broadcast: the quad is
+// broadcast into a register. Never run here: no CPU of this project's machines has
+// AVX-VNNI without AVX-512 (tests run it where the CPU has it).
 // One lane is one column (the panel's [column][4] order), 8 columns a register.
 // Included after simd_avx2.h inside an int8 TU's target region.
 #pragma once
 
-#include "simd_int8_offset.h"
+#include "simd_int8_dpbusd.h"
 
 #include "simd_int8_ymm.h"
 
@@ -16,7 +19,7 @@ struct I8Acc {
   __m256i columns[2];  // columns 0-7 and 8-15, int32
 };
 struct I8Weights {
-  __m256i columns[2];  // columns 0-7 and 8-15 x 4 inputs, int8
+  __m256i columns[2];  // columns 0-7 and 8-15 x 4 stored weights (q + 128)
 };
 
 // 4 rows x 16 columns: 8 int32 accumulators, 2 weight registers and an input in the 16 ymm
@@ -29,20 +32,16 @@ constexpr int kI8WholePanelRunRows = 0;
 constexpr int kI8WholePanelGroup = 1;
 
 inline I8Input i8_input(const int8_t* x) { return _mm256_set1_epi32(int(i8_quad(x))); }
-inline I8Acc i8_start(const int16_t* sums) {
-  I8Acc acc;
-  for (int h = 0; h < 2; ++h) {
-    const __m256i sum = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8 * h)));
-    acc.columns[h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7));
-  }
-  return acc;
+inline I8Acc i8_start(int32_t offset) {
+  const __m256i start = _mm256_set1_epi32(offset);
+  return {{start, start}};
 }
-inline I8Weights i8_load(const int8_t* w) {
+inline I8Weights i8_load(const uint8_t* w) {
   return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))}};
 }
 inline void i8_dot(I8Acc& acc, const I8Weights& w, I8Input x) {
-  for (int h = 0; h < 2; ++h) acc.columns[h] = _mm256_dpbusd_avx_epi32(acc.columns[h], x, w.columns[h]);
+  for (int h = 0; h < 2; ++h) acc.columns[h] = _mm256_dpbusd_avx_epi32(acc.columns[h], w.columns[h], x);
 }
 inline Vec16 i8_finish(const I8Acc& acc) {
   return {_mm256_cvtepi32_ps(acc.columns[0]), _mm256_cvtepi32_ps(acc.columns[1])};

@@ -1,14 +1,14 @@
-// The int8 section (int8_linear_kernel.h) in portable C++: int32 sums of int8 products, one
-// column at a time. Included after simd_generic.h.
+// The int8 section (int8_linear_kernel.h) in portable C++: int32 sums of the stored weights
+// (q + 128) times the int8 inputs, from the row's block offset, one column at a time.
+// Included after simd_generic.h.
 #pragma once
 
-constexpr uint8_t kI8InputXor = 0;  // the inputs as quantized (int8_kernel_api.h)
 constexpr int kI8InputBytes = 1;
 using I8Input = uint32_t;  // the row's 4 int8 inputs
 struct I8Acc {
   int32_t columns[16];
 };
-using I8Weights = const int8_t*;
+using I8Weights = const uint8_t*;
 
 constexpr int kI8TileRows = 4;
 constexpr int kI8TileVectors = 4;
@@ -22,8 +22,12 @@ inline I8Input i8_input(const int8_t* x) {
   std::memcpy(&quad, x, sizeof quad);
   return quad;
 }
-inline I8Acc i8_start(const int16_t*) { return {}; }
-inline I8Weights i8_load(const int8_t* w) { return w; }
+inline I8Acc i8_start(int32_t offset) {
+  I8Acc acc;
+  for (int32_t& column : acc.columns) column = offset;
+  return acc;
+}
+inline I8Weights i8_load(const uint8_t* w) { return w; }
 inline void i8_dot(I8Acc& acc, I8Weights w, I8Input x) {
   int8_t inputs[4];
   std::memcpy(inputs, &x, sizeof inputs);

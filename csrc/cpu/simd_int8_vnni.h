@@ -1,13 +1,19 @@
 // The int8 section (int8_linear_kernel.h) for AVX-512 with VNNI: vpdpbusd multiplies 4
-// unsigned bytes by 4 signed bytes and adds the 4 products to an int32 lane, 64 products an
-// instruction (twice vdpbf16ps's 32). Inputs enter as unsigned bytes q + 128; each block's
-// accumulator starts at -128 * (the column's sum of weights) to cancel the offset exactly.
+// unsigned bytes (the stored weights, q + 128) by 4 signed bytes (an input quad) and adds
+// them to an int32 lane, 64 products an instruction (twice vdpbf16ps's 32). The input quad
+// rides in the instruction as an embedded broadcast from memory ({1to16}), so each
+// vpdpbusd is the only vector µop its quad row of weights costs; each block's accumulator
+// starts at the row's offset (simd_int8_dpbusd.h). With few rows the kernel waits on DRAM,
+// and the vector µops queued behind those loads bound how far ahead it reads: with the
+// inputs broadcast into a register first and each block started from per-column weight sums
+// (the layout before), one thread read one-row weights at 15-16 GB/s on a Zen 4; a timing
+// probe of this loop read at 24-25 (docs/performance.md, "Huge pages for the weights").
 // Included after simd_avx512.h inside an int8 TU's target region.
 #pragma once
 
-#include "simd_int8_offset.h"
+#include "simd_int8_dpbusd.h"
 
-using I8Input = __m512i;
+using I8Input = const int32_t*;  // the quad, read by vpdpbusd itself
 using I8Acc = __m512i;  // lane i: column i
 using I8Weights = __m512i;  // lane i: the column's 4 weights
 
@@ -24,13 +30,18 @@ constexpr int kI8WholePanelRows = 2;
 constexpr int kI8WholePanelRunRows = 16;
 constexpr int kI8WholePanelGroup = 4;  // all 4: 8 int32 and 8 fp32 accumulators at 2 rows
 
-inline I8Input i8_input(const int8_t* x) { return _mm512_set1_epi32(int(i8_quad(x))); }
-inline I8Acc i8_start(const int16_t* sums) {
-  const __m512i sum = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)));
-  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+inline I8Input i8_input(const int8_t* x) { return reinterpret_cast<const int32_t*>(x); }
+inline I8Acc i8_start(int32_t offset) { return _mm512_set1_epi32(offset); }
+inline I8Weights i8_load(const uint8_t* w) { return _mm512_loadu_si512(w); }
+// GCC does not fold a broadcast into vpdpbusd's memory operand from the intrinsics: it
+// broadcasts into a register first, one more vector µop a quad. The asm works on a copy:
+// with the caller's accumulator array as its operand, GCC kept the array on the stack and
+// stored every accumulator after each vpdpbusd.
+inline void i8_dot(I8Acc& acc, I8Weights w, I8Input x) {
+  I8Acc sum = acc;
+  asm("vpdpbusd %[x]%{1to16%}, %[w], %[sum]" : [sum] "+v"(sum) : [w] "v"(w), [x] "m"(*x));
+  acc = sum;
 }
-inline I8Weights i8_load(const int8_t* w) { return _mm512_loadu_si512(w); }
-inline void i8_dot(I8Acc& acc, I8Weights w, I8Input x) { acc = _mm512_dpbusd_epi32(acc, x, w); }
 inline Vec16 i8_finish(I8Acc acc) { return _mm512_cvtepi32_ps(acc); }
 inline Vec16 vload_f16(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));

@@ -34,7 +34,7 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
     out = torch.full((x.values.shape[0], packed.out_features), float("nan"), dtype=dtype)
     inputs = x.values.clone()
     with ops.use_int8_kernel(kernel):
-        native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, packed.sums, bias)
+        native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias)
     assert not out.isnan().any(), "an output element was never written"
     # vpdpbusd kernels read the inputs offset by 128: the op stages a copy, never its argument.
     assert torch.equal(x.values, inputs), "int8_linear changed its x_values"
@@ -103,9 +103,9 @@ def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features
     packed = pack_int8(weight)
     fused = torch.full_like(ours, float("nan"))
     with ops.use_int8_kernel(kernel):
-        native.int8_quantize_linear(fused, x, packed.values, packed.scales, packed.sums, bias)
+        native.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
     assert torch.equal(fused, ours)
-    reference.int8_quantize_linear(fused, x, packed.values, packed.scales, packed.sums, bias)
+    reference.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
     torch.testing.assert_close(fused.double(), expected, rtol=rtol, atol=atol)
 
 
@@ -124,7 +124,7 @@ def test_linear_row_tiles_and_tasks(kernel, rows):
 
 def test_quantize_linear_refuses_mismatched_rows_and_dtypes():
     weight = pack_int8(quantize_weight(torch.randn(8, 32)))
-    args = (weight.values, weight.scales, weight.sums, None)
+    args = (weight.values, weight.scales, None)
     with pytest.raises(ValueError, match="same rows"):
         native.int8_quantize_linear(torch.empty(3, 8), torch.randn(2, 32), *args)
     with pytest.raises(TypeError, match="one dtype"):
