@@ -57,13 +57,17 @@ def main() -> None:
             for config, llm in configs.items():
                 times[config].append(step_ms(llm, running, args.tokens))
         best = {c: min(t) for c, t in times.items()}
-        ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x ({'2 MiB' if h else '4 KiB'} pages)" for h in pages)
+        ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x ({_pages(h)} pages)" for h in pages)
         print(f"| {running} | " + " | ".join(f"{best[c]:.2f}" for c in configs) + f" | {ratios} |")
 
 
 def _name(config: tuple[str | None, bool]) -> str:
     quantization, huge = config
-    return f"{quantization or 'unquantized'}, {'2 MiB' if huge else '4 KiB'} pages"
+    return f"{quantization or 'unquantized'}, {_pages(huge)} pages"
+
+
+def _pages(huge: bool) -> str:
+    return "2 MiB" if huge else "4 KiB"
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     movable = [t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()]
     if not movable or not enabled():
         return 0
-    sizes = [_padded(t.numel() * t.element_size()) for t in movable]
+    sizes = [_round_up(t.numel() * t.element_size(), _ALIGNMENT) for t in movable]
     arena = _advised_buffer(sum(sizes))
     if arena is None:
         return 0
@@ -97,8 +97,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buffer.view(dtype).view(shape)
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+def _round_up(nbytes: int, multiple: int) -> int:
+    return -(-nbytes // multiple) * multiple
 
 
 def _advised_buffer(nbytes: int) -> torch.Tensor | None:
@@ -106,7 +106,7 @@ def _advised_buffer(nbytes: int) -> torch.Tensor | None:
     (never touched: malloc could hand back pages already backed by 4 KiB ones) advised
     MADV_HUGEPAGE; None where madvise refuses (a kernel without transparent huge pages). The
     tensor keeps the mapping alive."""
-    advised = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    advised = _round_up(nbytes, HUGE_PAGE_BYTES)
     # Private: a shared anonymous mapping is shmem, whose huge pages are a separate setting.
     memory = mmap.mmap(-1, advised + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(memory, dtype=torch.uint8)

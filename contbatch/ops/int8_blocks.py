@@ -102,8 +102,8 @@ def pack_int8(weight: Int8Blocks) -> PackedInt8:
     extra_rows = panels * PANEL_COLUMNS - out_features
     values = F.pad(weight.values, (0, 0, 0, extra_rows))
     scales = F.pad(weight.scales.to(torch.float16), (0, 0, 0, extra_rows))
-    offset = (values.to(torch.int16) + WEIGHT_OFFSET).to(torch.uint8)
-    by_block = offset.view(panels, PANEL_COLUMNS, blocks, BLOCK // QUAD, QUAD)
+    stored = (values.to(torch.int16) + WEIGHT_OFFSET).to(torch.uint8)
+    by_block = stored.view(panels, PANEL_COLUMNS, blocks, BLOCK // QUAD, QUAD)
     return PackedInt8(
         values=by_block.permute(0, 2, 3, 1, 4).contiguous(),
         scales=scales.view(panels, PANEL_COLUMNS, blocks).transpose(1, 2).contiguous(),

@@ -37,9 +37,9 @@ struct Int8TypedKernels {
   // be nullptr), x's rows (x_stride bytes apart) staged by the driver beforehand as the
   // table's input_bytes says (Int8Kernels), their offsets x_offsets ([rows][blocks]): the
   // int32 dot product of each block plus its offset, times the row's and column's scales,
-  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds int8_scratch_bytes(blocks), 64-byte aligned,
-  // private to the calling thread, its header zeroed by the driver before the thread's
-  // first task of the call.
+  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
+  // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
+  // zeroed by the driver before the thread's first task of the call.
   void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, void* scratch);

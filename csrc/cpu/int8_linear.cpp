@@ -110,7 +110,9 @@ void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at:
   auto* s = scales.data_ptr<float>();
   const int64_t in_features = input.size(1), padded = values.size(1), blocks = scales.size(1);
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
+    for (int64_t r = begin; r < end; ++r) {
+      kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
+    }
   });
 }
 

@@ -58,9 +58,9 @@ constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (uint8, or widened
 // to int16), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
-// their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel: 0, or how far
-// on (in W) the weights of the panel read next lie, for a tile that reads this panel from
-// cache (not the run's first tile): it then prefetches those instead of its own.
+// their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
+// 0, or how far on (in W) the weights of the panel read next lie, for a tile that reads this
+// panel from cache (not the run's first tile): it then prefetches those instead of its own.
 template <int MR, class T, class W>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                       int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,

@@ -41,8 +41,8 @@ inline I8Input i8_input(const int8_t* x) {  // the row's quad, 4 int16 inputs, i
   std::memcpy(&quad, x, sizeof quad);
   return _mm256_set1_epi64x(quad);
 }
-inline I8Acc i8_start(int32_t offset) {
-  const __m256i start = _mm256_set_epi32(0, offset, 0, offset, 0, offset, 0, offset);  // a column's first lane
+inline I8Acc i8_start(int32_t offset) {  // the offset in each column's first pair-sum lane
+  const __m256i start = _mm256_set_epi32(0, offset, 0, offset, 0, offset, 0, offset);
   return {{start, start, start, start}};
 }
 inline I8Weights i8_load(const uint8_t* w) {
