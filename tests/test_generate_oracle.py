@@ -200,7 +200,7 @@ def test_smollm2_bf16_greedy_tokens_are_hf_bf16_argmax(batched, isa, smollm_dir,
     prompt_ids, _ = smollm_expected
     prompt_ids = prompt_ids if batched else prompt_ids[:1]
     with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
-        llm = LLM(smollm_dir, dtype="bfloat16", max_model_len=512, skip_tokenizer_init=True)
+        llm = LLM(smollm_dir, dtype="bfloat16", device="cpu", max_model_len=512, skip_tokenizer_init=True)
         if ops.bf16_linear_available():
             assert llm.engine.runner.model.layers[0].mlp.gate_up_proj.packed_weight.layout == "panels"
         outputs = llm.generate(
@@ -246,7 +246,7 @@ def test_smollm2_long_prompt_in_long_chunks_matches_hf(isa, smollm_dir, smollm_o
     long_ids, expected = smollm_long_prompt
     short_ids = long_ids[:40]
     with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
-        llm = LLM(smollm_dir, dtype="float32", max_model_len=1536, max_num_batched_tokens=768,
+        llm = LLM(smollm_dir, dtype="float32", device="cpu", max_model_len=1536, max_num_batched_tokens=768,
                   enable_prefix_caching=False, skip_tokenizer_init=True)
         outputs = llm.generate(
             [{"prompt_token_ids": long_ids}, {"prompt_token_ids": short_ids}],

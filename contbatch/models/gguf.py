@@ -118,6 +118,11 @@ def gguf_eos_token_ids(path: Path) -> set[int]:
     return {int(value) for key in _EOS_KEYS for value in hf_gguf.read_field(reader, key)}
 
 
+def gguf_metadata(path: Path, key: str) -> list:
+    """The values of one metadata field of the file (empty where it has none)."""
+    return list(hf_gguf.read_field(_reader(path), key))
+
+
 def _reader(path: Path) -> "gguf_py.GGUFReader":
     if gguf_py is None:
         raise ImportError(f"reading the GGUF file {str(path)!r} needs the gguf package: pip install contbatch[gguf]")

@@ -81,7 +81,7 @@ def test_the_model_reads_the_moved_weights(tiny_model_dirs, quantization, monkey
     """Moving changes no output, and the model reads the new copies: zeroing them (and
     nothing else) changes its tokens."""
     monkeypatch.setenv("CONTBATCH_HUGE_PAGES", "0")
-    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", quantization=quantization, max_model_len=64,
+    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", device="cpu", quantization=quantization, max_model_len=64,
               max_num_seqs=2, skip_tokenizer_init=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": [7]}]
@@ -101,7 +101,7 @@ def test_the_model_reads_the_moved_weights(tiny_model_dirs, quantization, monkey
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
 def test_kv_cache_is_allocated_on_huge_pages(tiny_model_dirs, monkeypatch):
     monkeypatch.setenv("CONTBATCH_HUGE_PAGES", "1")
-    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", device="cpu", max_model_len=64, max_num_seqs=2,
               skip_tokenizer_init=True, kv_cache_memory=8 << 20)
     cache = llm.engine.runner.kv_cache
     assert cache.data_ptr() % HUGE_PAGE_BYTES == 0

@@ -9,9 +9,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import decoders
 
 from contbatch import LLM, SamplingParams, ops
 from contbatch.cli import main
+from contbatch.engine import tokenizer as tokenizer_module
 from contbatch.engine.tokenizer import load_tokenizer
 from contbatch.models.config import ModelConfig
 from contbatch.models.loader import read_config
@@ -68,8 +70,8 @@ def test_demo_gguf_reads_as_its_converted_directory(demo_gguf_llm, smollm_gguf, 
 def test_demo_gguf_generates_its_converted_directorys_tokens(demo_gguf_llm, smollm_dir):
     """Both hold the same fp32 values (gguf-py dequantizes the Q4_1 and Q8_0 tensors for
     transformers' conversion as for us) and run the same kernels: the tokens are equal."""
-    model = demo_gguf_llm.engine.runner.model
-    assert model.layers[0].mlp.down_proj.packed_weight.layout != "int8"  # Q4_1: dense
+    packed = demo_gguf_llm.engine.runner.model.layers[0].mlp.down_proj.packed_weight
+    assert packed is None or packed.layout != "int8"  # Q4_1: dense (on a GPU, not packed at all)
     directory = LLM(smollm_dir, **SMALL)
     assert _greedy(demo_gguf_llm, PROMPTS) == _greedy(directory, PROMPTS)
 
@@ -127,7 +129,8 @@ def _assert_file_blocks(ours: Int8Blocks, reader: gguf.GGUFReader, names: list[s
 
 
 def test_q8_0_layers_run_on_the_files_blocks(q8_0_gguf):
-    model = LLM(q8_0_gguf, skip_tokenizer_init=True, **SMALL).engine.runner.model
+    # The int8 kernels are the CPU's: on a GPU, Q8_0 tensors load densely.
+    model = LLM(q8_0_gguf, skip_tokenizer_init=True, device="cpu", **SMALL).engine.runner.model
     reader = gguf.GGUFReader(q8_0_gguf)
     for layer, module in enumerate(model.layers):
         for path, pieces in FILE_PIECES.items():
@@ -242,7 +245,46 @@ def test_cli_generates_from_a_gguf_file(q8_0_gguf, tmp_path):
 @pytest.mark.skipif("avx2" not in ops.supported_cpu_isas(), reason="needs a tier where unquantized 'auto' is fp32")
 def test_auto_dtype_is_bf16_for_a_gguf_with_q8_0_layers(q8_0_gguf, tmp_path):
     dense = write_gguf(q8_0_gguf, tmp_path / "f32.gguf", 2, lambda name, values: "F32")
-    settings = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
+    settings = dict(device="cpu", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
     with ops.use_cpu_isa("avx2"):
         assert LLM(q8_0_gguf, **settings).dtype == torch.bfloat16
         assert LLM(dense, **settings).dtype == torch.float32
+
+
+def test_a_gguf_tokenizer_converted_with_transformers_5_17s_faults_is_repaired(smollm_gguf, monkeypatch):
+    """transformers 5.17 (seen on a GPU machine's image) converts this file's byte-level BPE
+    tokenizer with sentencepiece decoders ahead of its ByteLevel one and the BOS token as
+    eos_token. Reproduced here on the tokenizer of the transformers we run: llguidance then
+    refuses the tokens that spell a choice; loaded through load_tokenizer, both are repaired."""
+    from contbatch.structured_outputs import StructuredOutputsParams
+    from contbatch.structured_outputs.grammar import GrammarCompiler  # imports torch._dynamo: ~1.5 s
+
+    real = tokenizer_module.AutoTokenizer.from_pretrained
+
+    def as_transformers_5_17(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.backend_tokenizer.decoder = decoders.Sequence([  # the chain transformers 5.17 wrote
+            decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "),
+            decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)])
+        tokenizer.eos_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", as_transformers_5_17)
+    faulty = as_transformers_5_17(str(smollm_gguf.parent), gguf_file=smollm_gguf.name)
+    repaired = load_tokenizer(smollm_gguf)
+
+    assert (faulty.eos_token_id, repaired.eos_token_id) == (1, 2)
+    assert json.loads(repaired.backend_tokenizer.decoder.__getstate__())["type"] == "ByteLevel"
+    choice = StructuredOutputsParams(choice=["yes, it is", "no (never)"])
+    spelled = repaired.encode("yes, it is")
+    assert spelled == faulty.encode("yes, it is") and len(spelled) > 1
+    with pytest.raises(ValueError, match="is not allowed"):
+        _accept_all(GrammarCompiler(faulty, 49152, frozenset({2})).matcher(choice), spelled)
+    matcher = GrammarCompiler(repaired, 49152, frozenset({2})).matcher(choice)
+    _accept_all(matcher, spelled + [2])
+    assert matcher.is_finished
+
+
+def _accept_all(matcher, token_ids: list[int]) -> None:
+    for token_id in token_ids:
+        matcher.accept(token_id)

@@ -36,7 +36,9 @@ def _model_dir(arch, norm_model_dirs, phi3_gemma3_model_dirs):
 def _generate(model_dir, monkeypatch, native: bool, prompts, max_tokens, **kwargs):
     """(token ids, logprobs) per prompt; chunked prefill and a shared prefix mix the steps."""
     monkeypatch.setenv("CONTBATCH_NATIVE_DECODER", "1" if native else "0")
-    llm = LLM(model_dir, skip_tokenizer_init=True, **{"max_num_seqs": 6, "max_num_batched_tokens": 32, **kwargs})
+    # The native decoder stack is a CPU path: on a machine with a GPU "auto" would take CUDA.
+    llm = LLM(model_dir, skip_tokenizer_init=True,
+              **{"device": "cpu", "max_num_seqs": 6, "max_num_batched_tokens": 32, **kwargs})
     assert (llm.engine.runner.model.native_decoder is not None) == native
     params = [SamplingParams(temperature=0, max_tokens=n, logprobs=3) for n in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
