@@ -9,11 +9,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from tokenizers import decoders
 
 from contbatch import LLM, SamplingParams, ops
 from contbatch.cli import main
-from contbatch.engine import tokenizer as tokenizer_module
 from contbatch.engine.tokenizer import load_tokenizer
 from contbatch.models.config import ModelConfig
 from contbatch.models.loader import read_config
@@ -249,42 +247,3 @@ def test_auto_dtype_is_bf16_for_a_gguf_with_q8_0_layers(q8_0_gguf, tmp_path):
     with ops.use_cpu_isa("avx2"):
         assert LLM(q8_0_gguf, **settings).dtype == torch.bfloat16
         assert LLM(dense, **settings).dtype == torch.float32
-
-
-def test_a_gguf_tokenizer_converted_with_transformers_5_17s_faults_is_repaired(smollm_gguf, monkeypatch):
-    """transformers 5.17 (seen on a GPU machine's image) converts this file's byte-level BPE
-    tokenizer with sentencepiece decoders ahead of its ByteLevel one and the BOS token as
-    eos_token. Reproduced here on the tokenizer of the transformers we run: llguidance then
-    refuses the tokens that spell a choice; loaded through load_tokenizer, both are repaired."""
-    from contbatch.structured_outputs import StructuredOutputsParams
-    from contbatch.structured_outputs.grammar import GrammarCompiler  # imports torch._dynamo: ~1.5 s
-
-    real = tokenizer_module.AutoTokenizer.from_pretrained
-
-    def as_transformers_5_17(*args, **kwargs):
-        tokenizer = real(*args, **kwargs)
-        tokenizer.backend_tokenizer.decoder = decoders.Sequence([  # the chain transformers 5.17 wrote
-            decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "),
-            decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)])
-        tokenizer.eos_token = "<|im_start|>"
-        return tokenizer
-
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", as_transformers_5_17)
-    faulty = as_transformers_5_17(str(smollm_gguf.parent), gguf_file=smollm_gguf.name)
-    repaired = load_tokenizer(smollm_gguf)
-
-    assert (faulty.eos_token_id, repaired.eos_token_id) == (1, 2)
-    assert json.loads(repaired.backend_tokenizer.decoder.__getstate__())["type"] == "ByteLevel"
-    choice = StructuredOutputsParams(choice=["yes, it is", "no (never)"])
-    spelled = repaired.encode("yes, it is")
-    assert spelled == faulty.encode("yes, it is") and len(spelled) > 1
-    with pytest.raises(ValueError, match="is not allowed"):
-        _accept_all(GrammarCompiler(faulty, 49152, frozenset({2})).matcher(choice), spelled)
-    matcher = GrammarCompiler(repaired, 49152, frozenset({2})).matcher(choice)
-    _accept_all(matcher, spelled + [2])
-    assert matcher.is_finished
-
-
-def _accept_all(matcher, token_ids: list[int]) -> None:
-    for token_id in token_ids:
-        matcher.accept(token_id)
