@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 from safetensors import safe_open
 
 import contbatch.demo_model as demo_model

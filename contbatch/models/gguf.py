@@ -114,8 +114,7 @@ def gguf_tensors(path: Path, config: ModelConfig, checkpoint_names: Iterable[str
 
 def gguf_eos_token_ids(path: Path) -> set[int]:
     """The ids llama.cpp ends generation on that the file names: end of sequence, of turn, of message."""
-    reader = _reader(path)
-    return {int(value) for key in _EOS_KEYS for value in hf_gguf.read_field(reader, key)}
+    return {int(value) for key in _EOS_KEYS for value in gguf_metadata(path, key)}
 
 
 def gguf_metadata(path: Path, key: str) -> list:

@@ -36,7 +36,7 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
     with ops.use_int8_kernel(kernel):
         native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias)
     assert not out.isnan().any(), "an output element was never written"
-    # vpdpbusd kernels read the inputs offset by 128: the op stages a copy, never its argument.
+    # The op stages what its kernel reads (int16 copies on AVX2, the block offsets) beside its argument.
     assert torch.equal(x.values, inputs), "int8_linear changed its x_values"
     return out
 
