@@ -57,8 +57,8 @@ def packed_bytes(packed: PackedWeight) -> int:
     return tensor_bytes((data.values, data.scales) if packed.layout == "int8" else (data,))
 
 
-def int8_weight(weight: torch.Tensor) -> PackedWeight:
-    return int8_packed(quantize_weight(weight.float()))
+def int8_weight(weight: torch.Tensor, block: int) -> PackedWeight:
+    return int8_packed(quantize_weight(weight.float(), block))
 
 
 def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], PackedWeight]):
@@ -82,10 +82,10 @@ def plain_step(weights: list[torch.Tensor]):
 
 
 def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], params: int, copy_gbs: float,
-             int8_kernel: str | None, copies: int) -> str:
+             int8_kernel: str | None, int8_block: int | None, copies: int) -> str:
     names = list(results)
     copies_note = f" ({copies} copies of them, run one after another, times per copy)" if copies > 1 else ""
-    int8_note = (f" `int8`: the same weights in 8-bit blocks ({step_bytes['int8'] / 1e6:.0f} MB with their "
+    int8_note = (f" `int8`: the same weights in 8-bit blocks of {int8_block} inputs ({step_bytes['int8'] / 1e6:.0f} MB with their "
                  f"scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
     lines = [
         f"One step = SmolLM2-135M's 121 bf16 projections{copies_note}, {step_bytes[names[0]] / 1e6:.0f} MB of weights."
@@ -132,7 +132,9 @@ def main() -> None:
     if ops.bf16_linear_available():
         steps = {"panels": packed_step(weights, panel_packed), **steps}
     if args.int8:
-        steps["int8"] = packed_step(weights, int8_weight)
+        with ops.use_int8_kernel(args.int8_kernel):  # the blocks LLM(quantization="int8") takes with that kernel
+            block = ops.int8_weight_block()
+        steps["int8"] = packed_step(weights, lambda weight: int8_weight(weight, block))
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}
     with ops.use_int8_kernel(args.int8_kernel) if args.int8 else contextlib.nullcontext():
@@ -144,7 +146,7 @@ def main() -> None:
             print(rows, {name: f"{r[rows] * 1e3:.1f} ms" for name, r in results.items()}, flush=True)
     params = sum(w.numel() for w in weights) // args.copies
     step_bytes = {name: nbytes // args.copies for name, (_, nbytes) in steps.items()}
-    table = markdown(results, step_bytes, params, copy_gbs, int8_kernel, args.copies)
+    table = markdown(results, step_bytes, params, copy_gbs, int8_kernel, block if args.int8 else None, args.copies)
     print(table)
     if args.update_docs:
         command = "python benchmarks/linear.py" + (f" --copies {args.copies}" if args.copies > 1 else "") + (

@@ -32,12 +32,17 @@ class Quantization:
     method: str  # "int8"
     lm_head: bool
     embeddings: bool
+    block: int  # inputs a block of the weights it quantizes (ops.int8_weight_block)
 
     def describe(self) -> str:
+        """As a job's settings file records it: the block size is named, so that a job begun
+        with 32-input blocks (before 2026-11-27, or on another int8 kernel) does not resume
+        with 64 unawares."""
         def kind(quantized: bool) -> str:
             return self.method if quantized else "dense"
 
-        return f"{self.method}, LM head {kind(self.lm_head)}, embeddings {kind(self.embeddings)}"
+        return (f"{self.method} in {self.block}-input blocks, LM head {kind(self.lm_head)}, "
+                f"embeddings {kind(self.embeddings)}")
 
 
 @dataclass
@@ -128,7 +133,7 @@ class EngineConfig:
     def quantization_spec(self) -> Quantization | None:
         if self.quantization is None:
             return None
-        return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings)
+        return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings, ops.int8_weight_block())
 
 
 def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> torch.device:

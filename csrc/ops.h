@@ -34,8 +34,9 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                      const std::optional<at::Tensor>& bias);
 
 // int8 ops (csrc/cpu/int8_kernel_api.h), CPU only: per-token, per-block quantization of
-// fp32/bf16 rows, and the linear layer over a block-quantized, panel-packed weight.
-std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input);
+// fp32/bf16 rows (blocks of `block` inputs: 32 or 64), and the linear layer over a
+// block-quantized, panel-packed weight (its activations quantized in its blocks).
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input, int64_t block);
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
                      const at::Tensor& values, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias);

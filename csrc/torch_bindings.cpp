@@ -20,7 +20,7 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
-  m.def("int8_quantize_rows(Tensor input) -> (Tensor, Tensor)");
+  m.def("int8_quantize_rows(Tensor input, int block) -> (Tensor, Tensor)");
   m.def(
       "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, "
       "Tensor? bias) -> ()");

@@ -57,7 +57,7 @@ def job_settings(
     kv_cache_dtype: str = "auto",
 ) -> dict:
     """Flat {"section.key": JSON value} settings that must match between runs of one job.
-    ``quantization`` (as "int8, LM head int8, embeddings dense") and ``kv_cache_dtype`` are
+    ``quantization`` (as "int8 in 64-input blocks, LM head int8, embeddings dense") and ``kv_cache_dtype`` are
     recorded only when set, so that jobs written before they existed still resume."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
     if quantization is not None:

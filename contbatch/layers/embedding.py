@@ -8,7 +8,7 @@ column of a panel) and dequantizes it into the model's dtype.
 import torch
 from torch import nn
 
-from contbatch.ops.int8_blocks import BLOCK, PANEL_COLUMNS, WEIGHT_OFFSET, PackedInt8
+from contbatch.ops.int8_blocks import PANEL_COLUMNS, QUAD, WEIGHT_OFFSET, PackedInt8
 
 
 class Int8Embedding(nn.Module):
@@ -17,16 +17,17 @@ class Int8Embedding(nn.Module):
         self.packed = packed
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
+        self.block = packed.values.shape[2] * QUAD  # inputs a block
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         panel, column = ids // PANEL_COLUMNS, ids % PANEL_COLUMNS
         stored = self.packed.values[panel, :, :, column, :]  # [tokens, blocks, quads, 4], q + 128
         scales = self.packed.scales[panel, :, column]  # [tokens, blocks]
-        values = stored.reshape(len(ids), -1, BLOCK).to(torch.float32) - WEIGHT_OFFSET
+        values = stored.reshape(len(ids), -1, self.block).to(torch.float32) - WEIGHT_OFFSET
         rows = values * scales.to(torch.float32).unsqueeze(-1)
         hidden = rows.reshape(len(ids), -1)[:, : self.embedding_dim].to(self.dtype)
         return hidden.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {BLOCK}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.block}"

@@ -12,8 +12,9 @@ every call. Two layouts replace it:
   per CPU in docs/performance.md). On AVX2 CPUs oneDNN has no bf16 path at all. Sums are
   fp32 in a different order from F.linear's, so a result can differ by one bf16 rounding step.
 - ``int8`` (``LLM(quantization="int8")``, or Q8_0 tensors of a GGUF file): 8-bit weights in
-  blocks of 32 inputs with an fp16 scale each, activations quantized per token and block on
-  every call, int32 block sums (contbatch/ops/int8_blocks.py, csrc/cpu/int8_linear_kernel.h).
+  blocks of 64 inputs (a Q8_0 tensor's: 32) with an fp16 scale each, activations quantized
+  per token in the weight's blocks on every call, int32 block sums
+  (contbatch/ops/int8_blocks.py, csrc/cpu/int8_linear_kernel.h).
 - ``onednn`` (fp32; bf16 only without the extension, on CPUs where oneDNN does bf16):
   oneDNN's blocked format, called directly; 1.3-2.4x faster than ``F.linear`` for the
   few-token matmuls of decode and no slower at 256 tokens, with ``F.linear``'s results.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch import ops
-from contbatch.ops.int8_blocks import Int8Blocks, PackedInt8, pack_int8, quantize_weight
+from contbatch.ops.int8_blocks import Q8_0_BLOCK, Int8Blocks, PackedInt8, pack_int8, quantize_weight
 from contbatch.ops.panel_layout import pack_panels
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
@@ -110,13 +111,14 @@ class Linear(nn.Linear):
         self._replace_weight(packed)
         return True
 
-    def quantize_int8(self, blocks: Int8Blocks | None = None) -> None:
+    def quantize_int8(self, blocks: Int8Blocks | None = None, block: int = Q8_0_BLOCK) -> None:
         """Runs on 8-bit weights from now on: ``blocks`` as given (a GGUF file's Q8_0
-        tensor), or this layer's weight quantized (Q8_0 rules, ops/int8_blocks.py)."""
+        tensor), or this layer's weight quantized by Q8_0's rule in blocks of ``block``
+        inputs (ops/int8_blocks.py)."""
         if self.packed_weight is not None:
             raise RuntimeError("quantize_int8: the weight is packed already")
         if blocks is None:
-            blocks = quantize_weight(self.weight)
+            blocks = quantize_weight(self.weight, block)
         expected = (self.out_features, self.in_features)
         if (blocks.values.shape[0], blocks.in_features) != expected:
             raise ValueError(f"int8 weight is [{blocks.values.shape[0]}, {blocks.in_features}], layer needs {list(expected)}")
@@ -133,12 +135,13 @@ class Linear(nn.Linear):
         return packed_linear(x, self.packed_weight, self.bias)
 
 
-def quantize_linears(model: nn.Module, keep_dense: tuple[nn.Module | None, ...] = ()) -> int:
-    """Quantize every ``Linear`` of a loaded model to int8 except those in ``keep_dense`` and
-    those packed already (a GGUF file's Q8_0 layers); returns how many were quantized."""
+def quantize_linears(model: nn.Module, block: int, keep_dense: tuple[nn.Module | None, ...] = ()) -> int:
+    """Quantize every ``Linear`` of a loaded model to int8 in blocks of ``block`` inputs except
+    those in ``keep_dense`` and those packed already (a GGUF file's Q8_0 layers); returns how
+    many were quantized."""
     chosen = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None and m not in keep_dense]
     for module in chosen:
-        module.quantize_int8()
+        module.quantize_int8(block=block)
     return len(chosen)
 
 

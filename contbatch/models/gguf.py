@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
 from contbatch.models.config import ModelConfig, parse_model_config
-from contbatch.ops.int8_blocks import BLOCK, Int8Blocks
+from contbatch.ops.int8_blocks import Q8_0_BLOCK, Int8Blocks
 
 try:
     import gguf as gguf_py
@@ -32,7 +32,7 @@ except ImportError:  # an optional dependency: only GGUF files need it
 # and SmolLM alike as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
-_Q8_0_BLOCK_BYTES = 2 + BLOCK  # an fp16 scale, then 32 int8 values
+_Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK  # an fp16 scale, then 32 int8 values
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         table already in 8-bit blocks (a GGUF file's Q8_0 ``token_embd``), used as they are
         wherever the table is needed in int8; without ``quantization`` a tied head takes them."""
         if quantization is not None:
-            quantize_linears(self, keep_dense=() if quantization.lm_head else (self.lm_head,))
+            quantize_linears(self, quantization.block, keep_dense=() if quantization.lm_head else (self.lm_head,))
         pack_linears(self)
         embedding = self.embed_tokens.weight
         tied = self.lm_head is None
@@ -143,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         int8_lookup = quantization is not None and quantization.embeddings
         int8_table = None  # one int8 copy of the table serves both a tied head and the lookup
         if int8_head or int8_lookup:
-            int8_table = int8_packed(embedding_blocks if embedding_blocks is not None else quantize_weight(embedding))
+            int8_table = int8_packed(
+                embedding_blocks if embedding_blocks is not None else quantize_weight(embedding, quantization.block)
+            )
         if tied:
             self.tied_head_packed = int8_table if int8_head else pack_weight(embedding)
         if int8_lookup:

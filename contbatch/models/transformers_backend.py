@@ -125,11 +125,13 @@ def _pack_linear_layers(model: nn.Module, quantization: Quantization | None) -> 
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
     if quantization is not None:
-        quantize_linears(model, keep_dense=() if quantization.lm_head else (model.get_output_embeddings(),))
+        quantize_linears(model, quantization.block,
+                         keep_dense=() if quantization.lm_head else (model.get_output_embeddings(),))
     pack_linears(model)
     if quantization is not None and quantization.embeddings:
         table = model.get_input_embeddings().weight
-        model.set_input_embeddings(Int8Embedding(int8_packed(quantize_weight(table)).data, table.dtype))
+        packed = int8_packed(quantize_weight(table, quantization.block))
+        model.set_input_embeddings(Int8Embedding(packed.data, table.dtype))
     move_to_huge_pages(packed_tensors(model))
 
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from contbatch.ops import reference
+from contbatch.ops import int8_blocks, reference
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,20 @@ def int8_kernel_isa() -> str | None:
     return None if _native is None else _native.int8_kernel_isa()
 
 
+INT8_WEIGHT_BLOCKS = {"avx512_vnni": 64}
+"""Inputs a block of the weights contbatch quantizes, by int8 kernel; 32 (Q8_0's) for the
+others. A 64-input block halves the kernel's per-block finish (three vector operations a
+16-column accumulator), which on the AVX-512 VNNI kernel made the layers 8-10% faster at
+64-256 rows on a Zen 4; the AVX2 kernel's few-row calls ran 10-20% slower with it on the AVX2
+stand-in, and AVX-VNNI's was not measured (docs/performance.md, "64-input blocks")."""
+
+
+def int8_weight_block() -> int:
+    """The block size ``LLM(quantization="int8")`` quantizes weights in, for the int8 kernel
+    that runs now (``INT8_WEIGHT_BLOCKS``); a GGUF file's Q8_0 layers keep their 32."""
+    return INT8_WEIGHT_BLOCKS.get(int8_kernel_isa(), int8_blocks.Q8_0_BLOCK)
+
+
 def supported_int8_kernels() -> list[str]:
     """The int8 kernels this CPU and build can run, slowest first; empty without the extension."""
     return [] if _native is None else list(_native.supported_int8_kernels())
@@ -185,6 +199,8 @@ __all__ = [
     "int8_linear",
     "int8_quantize_linear",
     "int8_kernel_isa",
+    "int8_weight_block",
+    "INT8_WEIGHT_BLOCKS",
     "INT8_KERNELS",
     "supported_int8_kernels",
     "use_int8_kernel",

@@ -191,10 +191,10 @@ def bf16_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
     out.copy_(result)
 
 
-def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values int8 [rows, padded_in], scales fp32 [rows, blocks]) of ``x``: per-token,
-    per-block quantization (contbatch/ops/int8_blocks.py)."""
-    blocks = int8_blocks.quantize_activations(x)
+def int8_quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values int8 [rows, padded_in], scales fp32 [rows, blocks]) of ``x``: per-token
+    quantization in blocks of ``block`` inputs, 32 or 64 (contbatch/ops/int8_blocks.py)."""
+    blocks = int8_blocks.quantize_activations(x, block)
     return blocks.values, blocks.scales
 
 
@@ -206,7 +206,8 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
-    """out = x @ weight.T (+ bias) from quantized activations and a packed int8 weight."""
+    """out = x @ weight.T (+ bias) from quantized activations and a packed int8 weight (the
+    activations in the weight's blocks)."""
     rows, out_features = out.shape
     padded = x_values.shape[1]
     packed = int8_blocks.PackedInt8(values, scales, out_features, padded)
@@ -222,6 +223,6 @@ def int8_quantize_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> None:
-    """int8_quantize_rows, then int8_linear, in one call."""
-    x_values, x_scales = int8_quantize_rows(x)
+    """int8_quantize_rows in the weight's blocks, then int8_linear, in one call."""
+    x_values, x_scales = int8_quantize_rows(x, values.shape[2] * int8_blocks.QUAD)
     int8_linear(out, x_values, x_scales, values, scales, bias)

@@ -1,12 +1,14 @@
 // Function table of the int8 linear kernel (int8_linear_kernel.h), one per int8 tier.
 //
-// Layouts (contbatch/ops/int8_blocks.py): a row is cut into blocks of 32 inputs, each 32
+// Layouts (contbatch/ops/int8_blocks.py): a row is cut into blocks of 32 or 64 inputs (one
+// size per weight: 32 is a GGUF file's Q8_0, 64 what contbatch quantizes with), each block
 // signed 8-bit values q in [-127, 127] and one scale. Weights are panels of 64 output columns:
-// values[panel][block][quad][column][4] holds the column's inputs 32 * block + 4 * quad + 0..3
-// as unsigned bytes q + 128, and per panel, block and column an fp16 scale. Activations are
-// rows of values [rows][blocks * 32] (signed) with fp32 scales [rows][blocks]; the driver
-// adds each row's offsets [rows][blocks], -128 * (the block's sum of values), which take the
-// weights' +128 out of every block's dot product.
+// values[panel][block][quad][column][4] holds the column's inputs block_inputs * block +
+// 4 * quad + 0..3 as unsigned bytes q + 128, and per panel, block and column an fp16 scale.
+// Activations are rows of values [rows][blocks * block_inputs] (signed), quantized in the
+// weight's blocks, with fp32 scales [rows][blocks]; the driver adds each row's offsets
+// [rows][blocks], -128 * (the block's sum of values), which take the weights' +128 out of
+// every block's dot product.
 //
 // The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
 // VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs; else AVX-VNNI
@@ -19,33 +21,39 @@
 
 namespace contbatch::cpu {
 
-constexpr int64_t kInt8Block = 32;
-constexpr int64_t kInt8Quads = kInt8Block / 4;
+// The block sizes the kernels serve (inputs a block), and the columns of a panel.
+constexpr int64_t kInt8Q8Block = 32;
+constexpr int64_t kInt8WideBlock = 64;
+inline bool int8_block_served(int64_t block_inputs) {
+  return block_inputs == kInt8Q8Block || block_inputs == kInt8WideBlock;
+}
 constexpr int64_t kInt8PanelColumns = 64;
 
 // Scratch one panel call needs: a 64-byte header (which panel the widened copy is of; the
 // driver zeroes it before a thread's first task of each call), and on tiers that widen
 // weights to int16 (AVX2) the panel widened.
 constexpr int64_t kInt8ScratchHeader = 64;
-inline int64_t int8_scratch_bytes(int64_t blocks) {
-  return kInt8ScratchHeader + blocks * kInt8Block * kInt8PanelColumns * 2;
+inline int64_t int8_scratch_bytes(int64_t padded_inputs) {
+  return kInt8ScratchHeader + padded_inputs * kInt8PanelColumns * 2;
 }
 
 template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
-  // be nullptr), x's rows (x_stride bytes apart) staged by the driver beforehand as the
-  // table's input_bytes says (Int8Kernels), their offsets x_offsets ([rows][blocks]): the
-  // int32 dot product of each block plus its offset, times the row's and column's scales,
-  // summed over blocks in fp32 and rounded to T once, after the bias. `scratch` holds
-  // int8_scratch_bytes(blocks), 64-byte aligned, private to the calling thread, its header
-  // zeroed by the driver before the thread's first task of the call.
+  // be nullptr) of `blocks` blocks of block_inputs inputs (int8_block_served), x's rows
+  // (x_stride bytes apart) staged by the driver beforehand as the table's input_bytes says
+  // (Int8Kernels), their offsets x_offsets ([rows][blocks]): the int32 dot product of each
+  // block plus its offset, times the row's and column's scales, summed over blocks in fp32
+  // and rounded to T once, after the bias. `scratch` holds int8_scratch_bytes(blocks *
+  // block_inputs), 64-byte aligned, private to the calling thread, its header zeroed by the
+  // driver before the thread's first task of the call.
   void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
-                int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
+                int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, void* scratch);
-  // One row of in_features inputs into blocks: scale = max|x| / 127, q = round-half-even(
-  // x * (127 / max|x|)), zero past in_features up to whole blocks.
-  void (*quantize_row)(const T* x, int64_t in_features, int8_t* values, float* scales);
+  // One row of in_features inputs into blocks of block_inputs (int8_block_served): scale =
+  // max|x| / 127, q = round-half-even(x * (127 / max|x|)), zero past in_features up to whole
+  // blocks.
+  void (*quantize_row)(const T* x, int64_t in_features, int64_t block_inputs, int8_t* values, float* scales);
   // One K or V row of head_size values (a multiple of 16, at most 256) as an int8 cache row
   // (docs/design/kv_cache_layout.md): quantized as one block by quantize_row's rule, then
   // the scale's 4 bytes.

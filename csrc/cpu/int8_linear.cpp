@@ -95,13 +95,21 @@ void check_rows(const at::Tensor& t, const char* op, const char* name) {
                     t.strides());
 }
 
+// Inputs a block of the packed weight `values` [panels, blocks, quads, 64, 4]: 4 x quads.
+int64_t weight_block_inputs(const at::Tensor& values) {
+  TORCH_CHECK_VALUE(values.dim() == 5 && cpu::int8_block_served(values.size(2) * 4),
+                    "int8_linear: values must be [panels, blocks, 8 or 16, 64, 4] (blocks of 32 or 64 inputs), "
+                    "got shape ", values.sizes());
+  return values.size(2) * 4;
+}
+
 void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape,
                     "int8_linear: ", name, " must be a contiguous CPU ", dtype_name(dtype), " tensor of shape ",
                     shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
 }
 
-// Quantizes input's rows into values and scales.
+// Quantizes input's rows into values and scales, in blocks of values.size(1) / scales.size(1).
 template <class T>
 void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at::Tensor& values, at::Tensor& scales) {
   const auto& kernel = typed<T>(kernels);
@@ -109,17 +117,19 @@ void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at:
   auto* q = values.data_ptr<int8_t>();
   auto* s = scales.data_ptr<float>();
   const int64_t in_features = input.size(1), padded = values.size(1), blocks = scales.size(1);
+  const int64_t block_inputs = padded / blocks;
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      kernel.quantize_row(x + r * input.stride(0), in_features, q + r * padded, s + r * blocks);
+      kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
     }
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, const at::Tensor& input) {
+std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, const at::Tensor& input,
+                                            int64_t block_inputs) {
   const int64_t rows = input.size(0);
-  const int64_t blocks = (input.size(1) + cpu::kInt8Block - 1) / cpu::kInt8Block;
-  at::Tensor values = at::empty({rows, blocks * cpu::kInt8Block}, input.options().dtype(at::kChar));
+  const int64_t blocks = (input.size(1) + block_inputs - 1) / block_inputs;
+  at::Tensor values = at::empty({rows, blocks * block_inputs}, input.options().dtype(at::kChar));
   at::Tensor scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
   if (input.scalar_type() == at::kFloat) {
     quantize_rows<float>(kernels, input, values, scales);
@@ -132,8 +142,9 @@ std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, con
 // The inputs as `kernels`' panels read them (Int8Kernels::input_bytes), and each row's block
 // offsets [rows][blocks]: -128 * (the block's sum of inputs), which cancel the +128 that the
 // packed weights carry (q + 128) in the block's dot product.
-std::tuple<at::Tensor, at::Tensor> staged_inputs(const cpu::Int8Kernels& kernels, const at::Tensor& x_values) {
-  const int64_t rows = x_values.size(0), row = x_values.size(1), blocks = row / cpu::kInt8Block;
+std::tuple<at::Tensor, at::Tensor> staged_inputs(const cpu::Int8Kernels& kernels, const at::Tensor& x_values,
+                                                 int64_t block_inputs) {
+  const int64_t rows = x_values.size(0), row = x_values.size(1), blocks = row / block_inputs;
   at::Tensor offsets = at::empty({rows, blocks}, x_values.options().dtype(at::kInt));
   at::Tensor staged = kernels.input_bytes == 2 ? at::empty(x_values.sizes(), x_values.options().dtype(at::kShort))
                                                : x_values;
@@ -143,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> staged_inputs(const cpu::Int8Kernels& kernels
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * blocks; i < end * blocks; ++i) {
       int32_t sum = 0;
-      for (int64_t k = 0; k < cpu::kInt8Block; ++k) sum += from[i * cpu::kInt8Block + k];
+      for (int64_t k = 0; k < block_inputs; ++k) sum += from[i * block_inputs + k];
       offset[i] = -128 * sum;
     }
     if (wide != nullptr) {
@@ -160,8 +171,8 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
                 const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   const auto& kernel = typed<T>(kernels);
   const int64_t rows = out.size(0), out_features = out.size(1);
-  const int64_t panels = values.size(0), blocks = values.size(1);
-  const int64_t panel_values = blocks * cpu::kInt8Block * cpu::kInt8PanelColumns;
+  const int64_t panels = values.size(0), blocks = values.size(1), block_inputs = values.size(2) * 4;
+  const int64_t panel_values = blocks * block_inputs * cpu::kInt8PanelColumns;
   const int64_t panel_scales = blocks * cpu::kInt8PanelColumns;
   const auto* x = static_cast<const int8_t*>(x_values.data_ptr());
   const int64_t x_stride = x_values.stride(0) * x_values.element_size();  // bytes
@@ -171,11 +182,11 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
   const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
-  for_panel_runs(rows, panels, kernels.tile_rows, cpu::int8_scratch_bytes(blocks),
+  for_panel_runs(rows, panels, kernels.tile_rows, cpu::int8_scratch_bytes(blocks * block_inputs),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
                    kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
-                                run.rows, blocks, w + run.panel * panel_values, ws + run.panel * panel_scales,
+                                run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,
                                 b == nullptr ? nullptr : b + column0,
                                 o + run.row0 * out.stride(0) + column0, out.stride(0),
                                 std::min(cpu::kInt8PanelColumns, out_features - column0), scratch);
@@ -186,23 +197,22 @@ void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::T
                   const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   check_rows(out, "int8_linear", "out");
   const int64_t rows = out.size(0), out_features = out.size(1);
-  TORCH_CHECK_VALUE(values.dim() == 5, "int8_linear: values must be [panels, blocks, 8, 64, 4], got shape ",
-                    values.sizes());
+  const int64_t block_inputs = weight_block_inputs(values);
   const int64_t panels = values.size(0), blocks = values.size(1);
   TORCH_CHECK_VALUE(panels == (out_features + cpu::kInt8PanelColumns - 1) / cpu::kInt8PanelColumns,
                     "int8_linear: values has ", panels, " panels for ", out_features, " outputs");
-  check_exact(values, at::kByte, {panels, blocks, cpu::kInt8Quads, cpu::kInt8PanelColumns, 4}, "values");
+  check_exact(values, at::kByte, {panels, blocks, block_inputs / 4, cpu::kInt8PanelColumns, 4}, "values");
   check_exact(scales, at::kHalf, {panels, blocks, cpu::kInt8PanelColumns}, "scales");
-  check_exact(x_values, at::kChar, {rows, blocks * cpu::kInt8Block}, "x_values");
+  check_exact(x_values, at::kChar, {rows, blocks * block_inputs}, "x_values");
   check_exact(x_scales, at::kFloat, {rows, blocks}, "x_scales");
   if (bias.has_value()) check_exact(*bias, out.scalar_type(), {out_features}, "bias");
 }
 
-// int8_linear over checked arguments, with x_values as quantized.
+// int8_linear over checked arguments, with x_values as quantized in the weight's blocks.
 void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
             const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   if (out.size(0) == 0 || out.size(1) == 0) return;
-  const auto [staged, offsets] = staged_inputs(kernels, x_values);
+  const auto [staged, offsets] = staged_inputs(kernels, x_values, values.size(2) * 4);
   if (out.scalar_type() == at::kFloat) {
     run_panels<float>(kernels, out, staged, x_scales, offsets, values, scales, bias);
   } else {
@@ -225,9 +235,10 @@ const cpu::Int8Kernels& active_int8_kernels() {
   return isa.substr(0, 6) == "avx512" ? *for_avx512 : *for_avx2;
 }
 
-std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input) {
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input, int64_t block) {
   check_rows(input, "int8_quantize_rows", "input");
-  return quantize(active_int8_kernels(), input);
+  TORCH_CHECK_VALUE(cpu::int8_block_served(block), "int8_quantize_rows: block must be 32 or 64, got ", block);
+  return quantize(active_int8_kernels(), input, block);
 }
 
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
@@ -247,7 +258,7 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                    " and ", dtype_name(out.scalar_type()));
   check_rows(input, "int8_quantize_rows", "input");
   const cpu::Int8Kernels& kernels = active_int8_kernels();  // one kernel table for both steps
-  const auto [x_values, x_scales] = quantize(kernels, input);
+  const auto [x_values, x_scales] = quantize(kernels, input, weight_block_inputs(values));
   check_linear(out, x_values, x_scales, values, scales, bias);
   linear(kernels, out, x_values, x_scales, values, scales, bias);
 }

@@ -18,6 +18,10 @@
 //   kI8WholePanelGroup                    vectors such a tile sums at once (i8_group_vectors)
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
+// The block size (32 or 64 inputs, int8_kernel_api.h) is a template parameter: a 64-input
+// block turns its int32 sums into fp32 once per 16 vpdpbusd rather than 8, the three vector
+// operations of that finish being a quarter of a 32-input block's work at 256 rows.
+//
 // A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16
 // (a tile of at most kI8WholePanelRows rows: the whole panel at once, see i8_tile_vectors),
 // its input quads broadcast from the rows as the driver staged them (int8_kernel_api.h):
@@ -55,13 +59,15 @@ constexpr int i8_group_vectors() {
 }
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
 constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
+template <int BLOCK>
+constexpr int64_t kBlockQuads = BLOCK / 4;
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (uint8, or widened
 // to int16), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
 // 0, or how far on (in W) the weights of the panel read next lie, for a tile that reads this
 // panel from cache (not the run's first tile): it then prefetches those instead of its own.
-template <int MR, class T, class W>
+template <int MR, int BLOCK, class T, class W>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                       int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
@@ -80,8 +86,8 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
         for (int v = 0; v < G; ++v) block_acc[m][v] = start;
       }
       CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
-      for (int q = 0; q < kInt8Quads; ++q) {
-        const W* quad_row = values + (b * kInt8Quads + q) * kQuadRowBytes + 4 * kLanes * g;
+      for (int q = 0; q < kBlockQuads<BLOCK>; ++q) {
+        const W* quad_row = values + (b * kBlockQuads<BLOCK> + q) * kQuadRowBytes + 4 * kLanes * g;
         I8Weights w[G];
         for (int v = 0; v < G; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
         for (int v = 0; v < G; ++v) {
@@ -92,7 +98,7 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
           }
         }
         for (int m = 0; m < MR; ++m) {
-          const I8Input input = i8_input(x + m * x_stride + (b * kInt8Quads + q) * kInputQuadBytes);
+          const I8Input input = i8_input(x + m * x_stride + (b * kBlockQuads<BLOCK> + q) * kInputQuadBytes);
           for (int v = 0; v < G; ++v) i8_dot(block_acc[m][v], w[v], input);
         }
       }
@@ -109,14 +115,14 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
 }
 
 // later_panel: int8_tile's, for every row tile but the first.
-template <int kTileRows, class T, class W>
+template <int kTileRows, int BLOCK, class T, class W>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                        int64_t rows, int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                        int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   for_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
     for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
-      int8_tile<MR>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
+      int8_tile<MR, BLOCK>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
                     values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0,
                     out_stride, width, r == 0 ? 0 : later_panel);
     });
@@ -126,26 +132,39 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // Up to kI8WholePanelRunRows rows (a call bound by reading the weights), tiles that span the
 // panel, the first reading it in address order and the others from cache while they prefetch
 // the next panel in memory (a thread's next call reads it: panel_runs.h); more, the tier's tiles.
-template <class T, class W>
+template <int BLOCK, class T, class W>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
-      return int8_row_tiles_of<kI8WholePanelRows>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales,
-                                                  bias, out, out_stride, columns,
-                                                  blocks * kInt8Quads * kQuadRowBytes);
+      return int8_row_tiles_of<kI8WholePanelRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values,
+                                                         scales, bias, out, out_stride, columns,
+                                                         blocks * kBlockQuads<BLOCK> * kQuadRowBytes);
     }
   }
-  int8_row_tiles_of<kI8TileRows>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                                 out_stride, columns);
+  int8_row_tiles_of<kI8TileRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
+                                        out_stride, columns);
+}
+
+// int8_row_tiles for the panel's block size.
+template <class T, class W>
+void int8_row_tiles_for(int64_t block_inputs, const int8_t* x, int64_t x_stride, const float* x_scales,
+                        const int32_t* x_offsets, int64_t rows, int64_t blocks, const W* values,
+                        const uint16_t* scales, const T* bias, T* out, int64_t out_stride, int64_t columns) {
+  if (block_inputs == kInt8WideBlock) {
+    return int8_row_tiles<kInt8WideBlock>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
+                                          out_stride, columns);
+  }
+  int8_row_tiles<kInt8Q8Block>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride,
+                               columns);
 }
 
 // Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
 // the thread's next task on the same panel.
 template <class T>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
-                int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
+                int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
 #ifdef CONTBATCH_I8_WIDENS
   // int8_row_tiles prefetches the next panel of `values` from the panel-spanning tiles: they
@@ -156,14 +175,15 @@ void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const 
     auto** widened_panel = reinterpret_cast<const uint8_t**>(bytes);
     auto* wide = reinterpret_cast<int16_t*>(bytes + kInt8ScratchHeader);
     if (*widened_panel != values) {
-      for (int64_t i = 0; i < blocks * kInt8Block * kInt8PanelColumns; ++i) wide[i] = values[i];
+      for (int64_t i = 0; i < blocks * block_inputs * kInt8PanelColumns; ++i) wide[i] = values[i];
       *widened_panel = values;
     }
-    return int8_row_tiles(x, x_stride, x_scales, x_offsets, rows, blocks, static_cast<const int16_t*>(wide), scales,
-                          bias, out, out_stride, columns);
+    return int8_row_tiles_for(block_inputs, x, x_stride, x_scales, x_offsets, rows, blocks,
+                              static_cast<const int16_t*>(wide), scales, bias, out, out_stride, columns);
   }
 #endif
-  int8_row_tiles(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride, columns);
+  int8_row_tiles_for(block_inputs, x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
+                     out_stride, columns);
 }
 
 // 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).
@@ -187,18 +207,29 @@ inline Int8BlockScale int8_block_scale(float amax) {
   return {vset1(amax > 0.0f ? 127.0f / amax : 0.0f), amax / 127.0f};
 }
 
-template <class T>
-void int8_quantize_row(const T* x, int64_t in_features, int8_t* values, float* scales) {
-  const int64_t blocks = (in_features + kInt8Block - 1) / kInt8Block;
+template <int BLOCK, class T>
+void int8_quantize_row_in(const T* x, int64_t in_features, int8_t* values, float* scales) {
+  constexpr int kChunks = BLOCK / kLanes;
+  const int64_t blocks = (in_features + BLOCK - 1) / BLOCK;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t first = b * kInt8Block, left = in_features - first;
-    const Vec16 lo = load_upto16(x + first, left);
-    const Vec16 hi = left > kLanes ? load_upto16(x + first + kLanes, left - kLanes) : vzero();
-    const Int8BlockScale block = int8_block_scale(vreduce_max(vmax(vabs(lo), vabs(hi))));
+    const int64_t first = b * BLOCK;
+    Vec16 chunks[kChunks];
+    Vec16 magnitude = vzero();
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t left = in_features - first - c * kLanes;
+      chunks[c] = left > 0 ? load_upto16(x + first + c * kLanes, left) : vzero();
+      magnitude = vmax(magnitude, vabs(chunks[c]));
+    }
+    const Int8BlockScale block = int8_block_scale(vreduce_max(magnitude));
     scales[b] = block.scale;
-    i8_store_rounded(values + first, vmul(lo, block.inverse));
-    i8_store_rounded(values + first + kLanes, vmul(hi, block.inverse));
+    for (int c = 0; c < kChunks; ++c) i8_store_rounded(values + first + c * kLanes, vmul(chunks[c], block.inverse));
   }
+}
+
+template <class T>
+void int8_quantize_row(const T* x, int64_t in_features, int64_t block_inputs, int8_t* values, float* scales) {
+  if (block_inputs == kInt8WideBlock) return int8_quantize_row_in<kInt8WideBlock>(x, in_features, values, scales);
+  int8_quantize_row_in<kInt8Q8Block>(x, in_features, values, scales);
 }
 
 template <class T>

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from contbatch import LLM, SamplingParams
+from contbatch import LLM, SamplingParams, ops
 from contbatch.cli import build_parser, main
 from tests.jobs.helpers import read_jsonl, write_jsonl
 
@@ -135,7 +135,7 @@ def test_without_model_the_demo_model_is_used(tmp_path, chat_model_dir, monkeypa
     ("flags", "llm_kwargs", "setting", "value"),
     [
         (["--quantization", "int8"], dict(quantization="int8"), "engine.quantization",
-         "int8, LM head int8, embeddings dense"),
+         f"int8 in {ops.int8_weight_block()}-input blocks, LM head int8, embeddings dense"),
         (["--kv-cache-dtype", "int8"], dict(kv_cache_dtype="int8"), "engine.kv_cache_dtype", "int8"),
     ],
 )

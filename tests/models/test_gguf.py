@@ -15,6 +15,7 @@ from contbatch.cli import main
 from contbatch.engine.tokenizer import load_tokenizer
 from contbatch.models.config import ModelConfig
 from contbatch.models.loader import read_config
+from contbatch.ops import int8_blocks
 from contbatch.ops.int8_blocks import Int8Blocks, unpack_int8
 from tests.conftest import write_gguf
 
@@ -175,11 +176,13 @@ def test_int8_lookup_and_head_keep_a_q8_0_tables_blocks(smollm_gguf, tmp_path):
     np.testing.assert_array_equal(np.asarray(ours.scales), scales)
 
 
-def test_q8_0_gguf_runs_as_its_dequantized_copy_quantized_by_us(q8_0_gguf, tmp_path, prompt_ids):
-    """Q8_0 dequantizes exactly in fp32, and quantize_weight of a dequantized block gives its
-    values and scale back when the block's largest |value| is 127, as llama.cpp's quantizer
-    makes it: so every int8 layer is the same, bit for bit, and so are the greedy tokens.
-    The mixed layer is quantized by us on both sides; the LM head (tied) stays dense."""
+def test_q8_0_gguf_runs_as_its_dequantized_copy_quantized_by_us(q8_0_gguf, tmp_path, prompt_ids, monkeypatch):
+    """Q8_0 dequantizes exactly in fp32, and quantize_weight in Q8_0's 32-input blocks of a
+    dequantized block gives its values and scale back when the block's largest |value| is
+    127, as llama.cpp's quantizer makes it: so every int8 layer is the same, bit for bit,
+    and so are the greedy tokens. The mixed layer is quantized by us on both sides; the LM
+    head (tied) stays dense."""
+    monkeypatch.setattr(ops, "int8_weight_block", lambda: int8_blocks.Q8_0_BLOCK)  # what quantization="int8" uses
     dequantized = write_gguf(q8_0_gguf, tmp_path / "f32.gguf", 2, lambda name, values: "F32")
     settings = dict(skip_tokenizer_init=True, quantization="int8", quantize_lm_head=False, **SMALL)
     direct, ours = LLM(q8_0_gguf, **settings), LLM(dequantized, **settings)

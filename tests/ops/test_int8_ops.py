@@ -2,6 +2,9 @@
 on every int8 kernel this CPU runs (ops.use_int8_kernel: AVX-512 VNNI, AVX-VNNI, AVX2's
 vpmaddwd, portable C++), and the rule that picks one for each ISA tier:
 
+Each in both block sizes the kernels serve (32 inputs: a GGUF file's Q8_0; 64: what
+contbatch quantizes with):
+
 - activation quantization: bit for bit, fp32 and bf16 rows, ragged last blocks;
 - the linear op: exact integer block sums (small values and unit scales make every fp32
   sum exact, so any lost or saturated product shows), and on random shapes within fp32
@@ -20,7 +23,7 @@ from hypothesis import given, settings
 
 from contbatch import ops
 from contbatch.ops import int8_blocks, reference
-from contbatch.ops.int8_blocks import BLOCK, Int8Blocks, pack_int8, quantize_weight, unpack_int8
+from contbatch.ops.int8_blocks import BLOCK_SIZES, Int8Blocks, pack_int8, quantize_weight, unpack_int8
 from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, cpu_isa, int8_kernel_params, require_native
 
 require_native()
@@ -43,20 +46,23 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 20), in_features=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
-def test_quantize_rows_equals_reference(kernel, dtype, rows, in_features, seed):
+def test_quantize_rows_equals_reference(kernel, dtype, block, rows, in_features, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
-    x[0, : min(in_features, BLOCK)] = 0  # an all-zero block: scale 0, values 0
+    x[0, : min(in_features, block)] = 0  # an all-zero block: scale 0, values 0
     with ops.use_int8_kernel(kernel):
-        values, scales = native.int8_quantize_rows(x)
-    expected = int8_blocks.quantize_activations(x)
+        values, scales = native.int8_quantize_rows(x, block)
+    expected = int8_blocks.quantize_activations(x, block)
+    assert values.shape[1] % block == 0 and scales.shape[1] == values.shape[1] // block
     assert torch.equal(values, expected.values)
     assert torch.equal(scales, expected.scales)
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
+@pytest.mark.parametrize("block", BLOCK_SIZES)
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -64,11 +70,11 @@ def test_quantize_rows_equals_reference(kernel, dtype, rows, in_features, seed):
     blocks=st.integers(1, 12),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_integer_sums_are_exact(kernel, rows, out_features, blocks, seed):
+def test_linear_integer_sums_are_exact(kernel, block, rows, out_features, blocks, seed):
     """Values up to +-127 on one side and +-15 on the other keep every sum below 2^24, where
     fp32 holds integers exactly: the kernel must give the int64 matmul bit for bit."""
     g = torch.Generator().manual_seed(seed)
-    in_features = blocks * BLOCK
+    in_features = blocks * block
     x_values = torch.randint(-127, 128, (rows, in_features), generator=g, dtype=torch.int8)
     w_values = torch.randint(-15, 16, (out_features, in_features), generator=g, dtype=torch.int8)
     x = Int8Blocks(x_values, torch.ones(rows, blocks), in_features)
@@ -80,6 +86,7 @@ def test_linear_integer_sums_are_exact(kernel, rows, out_features, blocks, seed)
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -88,12 +95,12 @@ def test_linear_integer_sums_are_exact(kernel, rows, out_features, blocks, seed)
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features, with_bias, seed):
+def test_linear_matches_reference(kernel, dtype, block, rows, out_features, in_features, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    weight = quantize_weight(torch.randn(out_features, in_features, generator=g) * 0.2)
+    weight = quantize_weight(torch.randn(out_features, in_features, generator=g) * 0.2, block)
     bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
-    x_blocks = int8_blocks.quantize_activations(x)
+    x_blocks = int8_blocks.quantize_activations(x, block)
     ours = _linear(x_blocks, weight, bias, dtype, kernel)
     expected = int8_blocks.int8_linear_reference(x_blocks, weight, bias)
     # fp32 sums over blocks in another order; bf16 output: one rounding step more.
@@ -110,13 +117,14 @@ def test_linear_matches_reference(kernel, dtype, rows, out_features, in_features
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
+@pytest.mark.parametrize("block", BLOCK_SIZES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 47, 48, 49, 101])
-def test_linear_row_tiles_and_tasks(kernel, rows):
+def test_linear_row_tiles_and_tasks(kernel, block, rows):
     """Row counts around the register tiles (2 to 6 rows), the calls whose tiles span the
     panel (up to 16 rows on the VNNI and AVX2 kernels), the 48-row task; SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
-    x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g))
-    weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05)
+    x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g), block)
+    weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block)
     ours = _linear(x, weight, None, torch.float32, kernel)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
@@ -131,9 +139,27 @@ def test_quantize_linear_refuses_mismatched_rows_and_dtypes():
         native.int8_quantize_linear(torch.empty(2, 8), torch.randn(2, 32, dtype=torch.bfloat16), *args)
 
 
+def test_block_sizes_the_kernels_do_not_serve_are_refused():
+    with pytest.raises(ValueError, match="block must be 32 or 64, got 48"):
+        native.int8_quantize_rows(torch.randn(2, 96), 48)
+    with pytest.raises(ValueError, match=r"block must be one of \(32, 64\), got 16"):
+        quantize_weight(torch.randn(4, 32), 16)
+    weight = pack_int8(quantize_weight(torch.randn(8, 96), 32))
+    as_16 = weight.values.view(weight.values.shape[0], -1, 4, 64, 4)  # 16-input blocks, as the kernels see them
+    with pytest.raises(ValueError, match="blocks of 32 or 64 inputs"):
+        native.int8_quantize_linear(torch.empty(2, 8), torch.randn(2, 96), as_16, weight.scales, None)
+
+
+def test_the_reference_refuses_activations_in_other_blocks_than_the_weight():
+    x = int8_blocks.quantize_activations(torch.randn(2, 64), 32)
+    with pytest.raises(ValueError, match="activations in blocks of 32, weight in blocks of 64"):
+        int8_blocks.int8_linear_reference(x, quantize_weight(torch.randn(4, 64), 64), None)
+
+
+@pytest.mark.parametrize("block", BLOCK_SIZES)
 @settings(max_examples=50, deadline=None)
 @given(out_features=st.integers(1, 70), in_features=st.integers(1, 100), seed=st.integers(0, 2**31 - 1))
-def test_weight_round_trip_within_half_a_step(out_features, in_features, seed):
+def test_weight_round_trip_within_half_a_step(block, out_features, in_features, seed):
     """Each element within half a step of its block's scale s, except where rounding s to
     fp16 made 127 * s smaller than the block's largest value: there the clamped elements are
     off by at most that difference (at most 2^-11 of it for normal fp16 scales).
@@ -145,12 +171,13 @@ def test_weight_round_trip_within_half_a_step(out_features, in_features, seed):
     more fp32 rounding (2^-24 of |w| <= 128 * s)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
-    blocks = quantize_weight(weight)
+    blocks = quantize_weight(weight, block)
+    assert blocks.block == block
     assert blocks.values.abs().max() <= 127
     assert torch.equal(unpack_int8(pack_int8(blocks)).values, blocks.values), "packing must be lossless"
-    padded = torch.nn.functional.pad(weight, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, BLOCK)
+    padded = torch.nn.functional.pad(weight, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, block)
     error = (blocks.dequantize() - weight).abs()
-    error = torch.nn.functional.pad(error, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, BLOCK)
+    error = torch.nn.functional.pad(error, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, block)
     step = blocks.scales.float()
     clamped_by = (padded.abs().amax(-1) - 127 * step).clamp(min=0)
     bound = torch.maximum(0.5 * step, clamped_by) + 3 * 128 * 2**-24 * step + 1e-12
