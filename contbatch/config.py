@@ -64,8 +64,9 @@ class EngineConfig:
             (contbatch's own Llama-family model), "transformers" (transformers' modeling code
             on contbatch's paged attention), or "auto" (native where it can, else transformers).
         quantization: None (weights in the model dtype) or "int8": linear layers' weights in
-            8-bit blocks of 32 inputs (llama.cpp's Q8_0), activations quantized per token
-            (contbatch/ops/int8_blocks.py). CPU only.
+            8-bit blocks by llama.cpp's Q8_0 rule, 64 inputs a block on the avx512_vnni int8
+            kernel and 32 elsewhere (ops.int8_weight_block), activations quantized per token
+            in the same blocks (contbatch/ops/int8_blocks.py). CPU only.
         quantize_lm_head: with quantization, quantize the LM head too.
         quantize_embeddings: with quantization, keep the embedding table in 8-bit blocks too
             (rows dequantized on lookup); a tied LM head then shares that one int8 copy.

@@ -72,8 +72,9 @@ class LLM:
         model_impl: "auto" (contbatch's native model where one runs the architecture, else
             transformers' modeling code; the choice is logged), "native" or "transformers".
             Every engine feature works the same on both.
-        quantization: None, or "int8": 8-bit weights (blocks of 32 inputs, llama.cpp's Q8_0
-            shape) and per-token 8-bit activations in the linear layers; CPU only.
+        quantization: None, or "int8": 8-bit weights (llama.cpp's Q8_0 rule in blocks of 64
+            inputs on CPUs with AVX512_VNNI, 32 elsewhere) and per-token 8-bit activations in
+            the linear layers; CPU only.
         quantize_lm_head: with quantization="int8", whether the LM head is quantized too.
         quantize_embeddings: with quantization="int8", whether the embedding table is kept in
             8-bit blocks too (rows dequantized on lookup; a tied head shares the int8 copy).
