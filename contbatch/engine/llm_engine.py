@@ -42,8 +42,10 @@ class LLMEngine:
         cache_spec = KVCacheSpec.for_model(self.model_config, config.block_size, config.kv_cache_torch_dtype(dtype))
         num_blocks = cache_spec.num_blocks(config.kv_cache_memory, self.max_model_len, config.max_num_seqs, device)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model_dir)
-        model = load_model(model_dir, self.model_config, dtype, device, self.max_model_len,
-                           config.quantization_spec())
+        # What the weights were quantized with: the block size follows the int8 kernel running
+        # at load, so it is read once, here, for everything that reports it.
+        self.quantization = config.quantization_spec()
+        model = load_model(model_dir, self.model_config, dtype, device, self.max_model_len, self.quantization)
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           group_windows=cache_spec.group_windows)

@@ -190,7 +190,7 @@ def run_job(
         redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
         llm = llm or LLM(model, **(llm_kwargs or {}))
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt,
-                                llm.engine.config.quantization_spec(), llm.engine.config.kv_cache_dtype)
+                                llm.engine.quantization, llm.engine.config.kv_cache_dtype)
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)

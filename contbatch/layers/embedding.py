@@ -8,7 +8,7 @@ column of a panel) and dequantizes it into the model's dtype.
 import torch
 from torch import nn
 
-from contbatch.ops.int8_blocks import PANEL_COLUMNS, QUAD, WEIGHT_OFFSET, PackedInt8
+from contbatch.ops.int8_blocks import PANEL_COLUMNS, WEIGHT_OFFSET, PackedInt8
 
 
 class Int8Embedding(nn.Module):
@@ -17,7 +17,7 @@ class Int8Embedding(nn.Module):
         self.packed = packed
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
-        self.block = packed.values.shape[2] * QUAD  # inputs a block
+        self.block = packed.block  # inputs a block
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)

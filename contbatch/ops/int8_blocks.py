@@ -111,6 +111,16 @@ class PackedInt8:
     out_features: int
     in_features: int
 
+    @property
+    def block(self) -> int:
+        """Inputs a block (one of BLOCK_SIZES)."""
+        return packed_block(self.values)
+
+
+def packed_block(values: torch.Tensor) -> int:
+    """Inputs a block of packed weight values [panels, blocks, quads, 64, 4]."""
+    return values.shape[2] * QUAD
+
 
 def pack_int8(weight: Int8Blocks) -> PackedInt8:
     out_features, padded = weight.values.shape
@@ -130,8 +140,8 @@ def pack_int8(weight: Int8Blocks) -> PackedInt8:
 
 def unpack_int8(packed: PackedInt8) -> Int8Blocks:
     """Inverse of :func:`pack_int8`."""
-    panels, blocks, quads = packed.values.shape[:3]
-    stored = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * quads * QUAD)
+    panels, blocks = packed.values.shape[:2]
+    stored = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * packed.block)
     values = (stored.to(torch.int16) - WEIGHT_OFFSET).to(torch.int8)
     scales = packed.scales.transpose(1, 2).reshape(panels * PANEL_COLUMNS, blocks)
     return Int8Blocks(values[: packed.out_features], scales[: packed.out_features], packed.in_features)

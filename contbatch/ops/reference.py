@@ -224,5 +224,5 @@ def int8_quantize_linear(
     bias: torch.Tensor | None,
 ) -> None:
     """int8_quantize_rows in the weight's blocks, then int8_linear, in one call."""
-    x_values, x_scales = int8_quantize_rows(x, values.shape[2] * int8_blocks.QUAD)
+    x_values, x_scales = int8_quantize_rows(x, int8_blocks.packed_block(values))
     int8_linear(out, x_values, x_scales, values, scales, bias)

@@ -164,14 +164,14 @@ std::tuple<at::Tensor, at::Tensor> staged_inputs(const cpu::Int8Kernels& kernels
   return {staged, offsets};
 }
 
-// x_values: the inputs as staged_inputs gives them for `kernels`.
+// x_values: the inputs as staged_inputs gives them for `kernels`; block_inputs: values' block.
 template <class T>
 void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values,
                 const at::Tensor& x_scales, const at::Tensor& x_offsets, const at::Tensor& values,
-                const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+                int64_t block_inputs, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   const auto& kernel = typed<T>(kernels);
   const int64_t rows = out.size(0), out_features = out.size(1);
-  const int64_t panels = values.size(0), blocks = values.size(1), block_inputs = values.size(2) * 4;
+  const int64_t panels = values.size(0), blocks = values.size(1);
   const int64_t panel_values = blocks * block_inputs * cpu::kInt8PanelColumns;
   const int64_t panel_scales = blocks * cpu::kInt8PanelColumns;
   const auto* x = static_cast<const int8_t*>(x_values.data_ptr());
@@ -212,11 +212,12 @@ void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::T
 void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
             const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   if (out.size(0) == 0 || out.size(1) == 0) return;
-  const auto [staged, offsets] = staged_inputs(kernels, x_values, values.size(2) * 4);
+  const int64_t block_inputs = weight_block_inputs(values);
+  const auto [staged, offsets] = staged_inputs(kernels, x_values, block_inputs);
   if (out.scalar_type() == at::kFloat) {
-    run_panels<float>(kernels, out, staged, x_scales, offsets, values, scales, bias);
+    run_panels<float>(kernels, out, staged, x_scales, offsets, values, block_inputs, scales, bias);
   } else {
-    run_panels<uint16_t>(kernels, out, staged, x_scales, offsets, values, scales, bias);
+    run_panels<uint16_t>(kernels, out, staged, x_scales, offsets, values, block_inputs, scales, bias);
   }
 }
 

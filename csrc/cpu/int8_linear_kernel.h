@@ -62,6 +62,18 @@ constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
 template <int BLOCK>
 constexpr int64_t kBlockQuads = BLOCK / 4;
 
+template <int N>
+struct BlockInputs {
+  static constexpr int size = N;
+};
+
+// f(BlockInputs<block_inputs>{}): a block size the kernels serve as a compile-time constant.
+template <class F>
+inline void with_block_inputs(int64_t block_inputs, const F& f) {
+  if (block_inputs == kInt8WideBlock) return f(BlockInputs<kInt8WideBlock>{});
+  f(BlockInputs<kInt8Q8Block>{});
+}
+
 // out[MR, columns] for the column tile whose quad rows start at `values` (uint8, or widened
 // to int16), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
@@ -147,18 +159,6 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, co
                                         out_stride, columns);
 }
 
-// int8_row_tiles for the panel's block size.
-template <class T, class W>
-void int8_row_tiles_for(int64_t block_inputs, const int8_t* x, int64_t x_stride, const float* x_scales,
-                        const int32_t* x_offsets, int64_t rows, int64_t blocks, const W* values,
-                        const uint16_t* scales, const T* bias, T* out, int64_t out_stride, int64_t columns) {
-  if (block_inputs == kInt8WideBlock) {
-    return int8_row_tiles<kInt8WideBlock>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                                          out_stride, columns);
-  }
-  int8_row_tiles<kInt8Q8Block>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride,
-                               columns);
-}
 
 // Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
 // the thread's next task on the same panel.
@@ -166,6 +166,12 @@ template <class T>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
+  const auto row_tiles = [&](const auto* weights) {  // uint8, or widened to int16
+    with_block_inputs(block_inputs, [&](auto block) {
+      int8_row_tiles<decltype(block)::size>(x, x_stride, x_scales, x_offsets, rows, blocks, weights, scales, bias,
+                                            out, out_stride, columns);
+    });
+  };
 #ifdef CONTBATCH_I8_WIDENS
   // int8_row_tiles prefetches the next panel of `values` from the panel-spanning tiles: they
   // must read the panel itself, not its widened copy.
@@ -178,12 +184,10 @@ void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const 
       for (int64_t i = 0; i < blocks * block_inputs * kInt8PanelColumns; ++i) wide[i] = values[i];
       *widened_panel = values;
     }
-    return int8_row_tiles_for(block_inputs, x, x_stride, x_scales, x_offsets, rows, blocks,
-                              static_cast<const int16_t*>(wide), scales, bias, out, out_stride, columns);
+    return row_tiles(static_cast<const int16_t*>(wide));
   }
 #endif
-  int8_row_tiles_for(block_inputs, x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                     out_stride, columns);
+  row_tiles(values);
 }
 
 // 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).
@@ -228,8 +232,9 @@ void int8_quantize_row_in(const T* x, int64_t in_features, int8_t* values, float
 
 template <class T>
 void int8_quantize_row(const T* x, int64_t in_features, int64_t block_inputs, int8_t* values, float* scales) {
-  if (block_inputs == kInt8WideBlock) return int8_quantize_row_in<kInt8WideBlock>(x, in_features, values, scales);
-  int8_quantize_row_in<kInt8Q8Block>(x, in_features, values, scales);
+  with_block_inputs(block_inputs, [&](auto block) {
+    int8_quantize_row_in<decltype(block)::size>(x, in_features, values, scales);
+  });
 }
 
 template <class T>
