@@ -55,4 +55,17 @@ def test_rss_is_flat_over_50k_prompts(tmp_path, chat_model_dir):
         return max(window)
 
     early, late = peak(0.1, 0.3), peak(0.8, 1.0)
-    assert late - early < GROWTH_BOUND_MIB, f"RSS grew from {early:.0f} MiB to {late:.0f} MiB"
+    assert late - early < GROWTH_BOUND_MIB, (
+        f"RSS grew from {early:.0f} MiB to {late:.0f} MiB; {_curve(samples)}")
+
+
+def _curve(samples: list[tuple[int, float]]) -> str:
+    """Peak RSS per tenth of the records written, and after the last one: whether memory grew
+    steadily (kept per record) or in one jump (a one-off allocation) tells the causes apart."""
+    tenth = NUM_PROMPTS // 10
+    peaks: dict[int, float] = {}
+    for count, rss in samples:
+        bucket = min(count // tenth, 10)
+        peaks[bucket] = max(peaks.get(bucket, 0.0), rss)
+    return "peak MiB by records written: " + ", ".join(
+        f"{bucket * 10}%: {rss:.0f}" for bucket, rss in sorted(peaks.items()))
