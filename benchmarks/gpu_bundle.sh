@@ -18,6 +18,10 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site BUNDLE/whl/*.whl
 #   PYTHONPATH=/tmp/site CXX=/usr/bin/g++ GPU_CHECK_STEPS="throughput suite" \
 #     bash benchmarks/gpu_check.sh OUT_DIR 540
+# What fitted a 15-minute lease on an H200 (2026-11-27, docs/design/experiments.md): call 1
+# (p0, whl) built (96 s) and ran the cuda cases that need no real weights; call 2 (p1, whl),
+# sent as soon as call 1 returned (a warm machine goes back 30 s after a call), ran
+# GPU_CHECK_STEPS=suite (322 s on 8 workers); call 3 ran gpu_throughput.py (129 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_bundle.sh BUNDLE [PART_MIB] [PYTHON_VERSION]}
