@@ -17,17 +17,16 @@ class Int8Embedding(nn.Module):
         self.packed = packed
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
-        self.block = packed.block  # inputs a block
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         panel, column = ids // PANEL_COLUMNS, ids % PANEL_COLUMNS
         stored = self.packed.values[panel, :, :, column, :]  # [tokens, blocks, quads, 4], q + 128
         scales = self.packed.scales[panel, :, column]  # [tokens, blocks]
-        values = stored.reshape(len(ids), -1, self.block).to(torch.float32) - WEIGHT_OFFSET
+        values = stored.reshape(len(ids), -1, self.packed.block).to(torch.float32) - WEIGHT_OFFSET
         rows = values * scales.to(torch.float32).unsqueeze(-1)
         hidden = rows.reshape(len(ids), -1)[:, : self.embedding_dim].to(self.dtype)
         return hidden.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.block}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.packed.block}"

@@ -193,8 +193,9 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tens
                  });
 }
 
-void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-                  const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+// Returns the weight's block size (weight_block_inputs), which the checks derive.
+int64_t check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
+                     const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
   check_rows(out, "int8_linear", "out");
   const int64_t rows = out.size(0), out_features = out.size(1);
   const int64_t block_inputs = weight_block_inputs(values);
@@ -206,13 +207,15 @@ void check_linear(const at::Tensor& out, const at::Tensor& x_values, const at::T
   check_exact(x_values, at::kChar, {rows, blocks * block_inputs}, "x_values");
   check_exact(x_scales, at::kFloat, {rows, blocks}, "x_scales");
   if (bias.has_value()) check_exact(*bias, out.scalar_type(), {out_features}, "bias");
+  return block_inputs;
 }
 
-// int8_linear over checked arguments, with x_values as quantized in the weight's blocks.
+// int8_linear over checked arguments (check_linear, which gives block_inputs), with x_values
+// as quantized in the weight's blocks.
 void linear(const cpu::Int8Kernels& kernels, at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-            const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+            const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
+            const std::optional<at::Tensor>& bias) {
   if (out.size(0) == 0 || out.size(1) == 0) return;
-  const int64_t block_inputs = weight_block_inputs(values);
   const auto [staged, offsets] = staged_inputs(kernels, x_values, block_inputs);
   if (out.scalar_type() == at::kFloat) {
     run_panels<float>(kernels, out, staged, x_scales, offsets, values, block_inputs, scales, bias);
@@ -244,8 +247,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& inpu
 
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
                      const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
-  check_linear(out, x_values, x_scales, values, scales, bias);
-  linear(active_int8_kernels(), out, x_values, x_scales, values, scales, bias);
+  const int64_t block_inputs = check_linear(out, x_values, x_scales, values, scales, bias);
+  linear(active_int8_kernels(), out, x_values, x_scales, values, block_inputs, scales, bias);
 }
 
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
@@ -260,8 +263,8 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
   check_rows(input, "int8_quantize_rows", "input");
   const cpu::Int8Kernels& kernels = active_int8_kernels();  // one kernel table for both steps
   const auto [x_values, x_scales] = quantize(kernels, input, weight_block_inputs(values));
-  check_linear(out, x_values, x_scales, values, scales, bias);
-  linear(kernels, out, x_values, x_scales, values, scales, bias);
+  const int64_t block_inputs = check_linear(out, x_values, x_scales, values, scales, bias);
+  linear(kernels, out, x_values, x_scales, values, block_inputs, scales, bias);
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }

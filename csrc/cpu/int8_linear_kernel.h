@@ -159,7 +159,6 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, co
                                         out_stride, columns);
 }
 
-
 // Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
 // the thread's next task on the same panel.
 template <class T>

@@ -218,5 +218,5 @@ def test_weights_are_quantized_in_the_block_their_kernel_runs_fastest(kernel, ti
     head = model.tied_head_packed if model.lm_head is None else model.lm_head.packed_weight
     packed = [model.layers[0].self_attn.qkv_proj.packed_weight.data, head.data]
     assert [p.block for p in packed] == [expected, expected]
-    assert model.embed_tokens.block == expected
+    assert model.embed_tokens.packed.block == expected
     assert described.startswith(f"int8 in {expected}-input blocks"), described
