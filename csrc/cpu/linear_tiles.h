@@ -39,6 +39,19 @@ inline void for_row_tiles(int64_t rows, const F& f) {
   }
 }
 
+// As for_row_tiles, in as few tiles but of near-equal rows (MR and MR - 1 ...): 32 rows in
+// tiles of 6 are 6, 6, 6, 6, 6 and 2, here 6, 6, 5, 5, 5 and 5, so no tile runs with so few
+// rows that it waits on its loads rather than its multiply-adds.
+template <int MR, class F>
+inline void for_balanced_row_tiles(int64_t rows, const F& f) {
+  const int64_t tiles = (rows + MR - 1) / MR;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
+    with_tile_rows<MR>(size, [&](auto tile) { f(tile, r); });
+    r += size;
+  }
+}
+
 // tile(c0, width) for each column tile of WIDTH columns over `columns` (<= kPanelColumns).
 template <int WIDTH, class F>
 inline void for_column_tiles(int64_t columns, const F& tile) {

@@ -118,10 +118,11 @@ def test_linear_matches_reference(kernel, dtype, block, rows, out_features, in_f
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 47, 48, 49, 101])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 11, 16, 17, 20, 32, 47, 48, 49, 101])
 def test_linear_row_tiles_and_tasks(kernel, block, rows):
-    """Row counts around the register tiles (2 to 6 rows), the calls whose tiles span the
-    panel (up to 16 rows on the VNNI and AVX2 kernels), the 48-row task; SmolLM2's width."""
+    """Row counts around the register tiles (2 to 6 rows, split evenly: 20 rows as 5, 5, 5, 5),
+    the calls whose tiles span the panel (up to 10 rows on the VNNI kernel, 16 on AVX2), the
+    48-row task; SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
     x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g), block)
     weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block)
