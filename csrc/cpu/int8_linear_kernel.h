@@ -152,7 +152,7 @@ template <int BLOCK, class T, class W>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
-  const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // in W, as the panels lie in `values`
+  const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes: the uint8 panels as packed
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
       return int8_row_tiles_of<kI8WholePanelRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values,
