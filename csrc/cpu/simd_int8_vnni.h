@@ -21,17 +21,23 @@ using I8Weights = __m512i;  // lane i: the column's 4 weights
 // the 32 registers (measured best of 3-12 rows x 16-64 columns on an Emerald Rapids Xeon).
 constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
-// Calls of up to 10 rows run in tiles of 1-2 rows that span the 64-column panel (4 int32 and
+// Calls of up to 10 rows run in tiles of 1-3 rows that span the 64-column panel (4 int32 and
 // 4 fp32 accumulators a row; int8_linear_kernel.h, i8_tile_vectors). On Zen 4, SmolLM2's
 // projections at 1-16 rows went from 0.81-1.14x the bf16 panels' speed to 1.30-1.38x
 // (weights from DRAM). Once the 6 x 32 tiles prefetched the next panel too and split rows
 // evenly (int8_row_tiles), they were the faster from 11 rows on: 13 and 16 rows 9.7-9.9 and
 // 10.6 ms against 10.9-13.8 and 11.7-15.9 (two of three alternated rounds; with the weights
 // in cache 5.1 against 6.5-6.7 ms at 12 rows), while at 8-10 rows the spanning tiles, which
-// read each panel once in address order, kept level or ahead (Zen 4, 2026-11-27).
-constexpr int kI8WholePanelRows = 2;
+// read each panel once in address order, kept level or ahead (Zen 4, 2026-11-27). Tiles of 3
+// rows rather than 2 (3 vpdpbusd to each weight load, 24 accumulators and 4 weight vectors
+// in the 32 registers) took one layer's projections 30 times over, weights in cache, from
+// 2.46 to 1.86 ms at 3 rows, 3.39 to 2.96 at 6, 4.12 to 3.70 at 8 and 4.82 to 3.90 at 9
+// (about 0.15 ms of each is the driver's cheaper staging, int8_linear.cpp); tiles of 4 were
+// no faster than 3, and spanning tiles up to 16 rows no faster than the 6 x 32 ones from 11
+// (Zen 4, 2026-11-27, eighth session).
+constexpr int kI8WholePanelRows = 3;
 constexpr int kI8WholePanelRunRows = 10;
-constexpr int kI8WholePanelGroup = 4;  // all 4: 8 int32 and 8 fp32 accumulators at 2 rows
+constexpr int kI8WholePanelGroup = 4;  // all 4: 12 int32 and 12 fp32 accumulators at 3 rows
 
 inline I8Input i8_input(const int8_t* x) { return reinterpret_cast<const int32_t*>(x); }
 inline I8Acc i8_start(int32_t offset) { return _mm512_set1_epi32(offset); }

@@ -118,17 +118,42 @@ def test_linear_matches_reference(kernel, dtype, block, rows, out_features, in_f
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 11, 16, 17, 20, 32, 47, 48, 49, 101])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 20, 32, 47, 48, 49, 101])
 def test_linear_row_tiles_and_tasks(kernel, block, rows):
     """Row counts around the register tiles (2 to 6 rows, split evenly: 20 rows as 5, 5, 5, 5),
-    the calls whose tiles span the panel (up to 10 rows on the VNNI kernel, 16 on AVX2), the
-    48-row task; SmolLM2's width."""
+    the calls whose tiles span the panel (up to 10 rows in tiles of up to 3 on the VNNI kernel:
+    7 rows as 3, 2, 2; up to 16 rows on AVX2), the 48-row task; SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
     x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g), block)
     weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block)
     ours = _linear(x, weight, None, torch.float32, kernel)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", int8_kernel_params())
+def test_fused_op_stages_small_and_large_calls_alike(kernel):
+    """The fused op stages a call's inputs in a buffer its thread keeps (up to 1 MiB) or, for a
+    larger call (700 rows of 1,536 inputs), in memory of its own; calls of other sizes in
+    between must not see each other's staging."""
+    g = torch.Generator().manual_seed(7)
+    weight = quantize_weight(torch.randn(70, 1536, generator=g) * 0.05, 64)
+    packed = pack_int8(weight)
+    for rows in (3, 700, 1, 700, 5):
+        x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
+        x_blocks = int8_blocks.quantize_activations(x, 64)
+        fused = torch.full((rows, 70), float("nan"), dtype=torch.bfloat16)
+        with ops.use_int8_kernel(kernel):
+            native.int8_quantize_linear(fused, x, packed.values, packed.scales, None)
+        assert torch.equal(fused, _linear(x_blocks, weight, None, torch.bfloat16, kernel)), f"{rows} rows"
+        expected = int8_blocks.int8_linear_reference(x_blocks, weight, None)
+        torch.testing.assert_close(fused.double(), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_quantize_linear_refuses_inputs_the_weight_does_not_take():
+    weight = pack_int8(quantize_weight(torch.randn(8, 64), 32))  # 2 blocks: 33 to 64 inputs
+    with pytest.raises(ValueError, match="input has 96 features, the weight's 2 blocks of 32 take 33 to 64"):
+        native.int8_quantize_linear(torch.empty(2, 8), torch.randn(2, 96), weight.values, weight.scales, None)
 
 
 def test_quantize_linear_refuses_mismatched_rows_and_dtypes():
