@@ -109,18 +109,19 @@ void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shap
                     shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
 }
 
-// Quantizes input's rows into values and scales, in blocks of values.size(1) / scales.size(1).
-template <class T>
-void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, at::Tensor& values, at::Tensor& scales) {
+// Quantizes input's rows into q [rows][blocks * block_inputs] and s [rows][blocks], in
+// blocks of block_inputs, handing each row's index to then(r) once it is quantized.
+template <class T, class Then>
+void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q, float* s,
+                   const Then& then) {
   const auto& kernel = typed<T>(kernels);
   const auto* x = static_cast<const T*>(input.data_ptr());
-  auto* q = values.data_ptr<int8_t>();
-  auto* s = scales.data_ptr<float>();
-  const int64_t in_features = input.size(1), padded = values.size(1), blocks = scales.size(1);
-  const int64_t block_inputs = padded / blocks;
+  const int64_t in_features = input.size(1), blocks = (in_features + block_inputs - 1) / block_inputs;
+  const int64_t padded = blocks * block_inputs;
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
+      then(r);
     }
   });
 }
@@ -131,10 +132,13 @@ std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, con
   const int64_t blocks = (input.size(1) + block_inputs - 1) / block_inputs;
   at::Tensor values = at::empty({rows, blocks * block_inputs}, input.options().dtype(at::kChar));
   at::Tensor scales = at::empty({rows, blocks}, input.options().dtype(at::kFloat));
+  auto* q = values.data_ptr<int8_t>();
+  auto* s = scales.data_ptr<float>();
+  const auto nothing_more = [](int64_t) {};
   if (input.scalar_type() == at::kFloat) {
-    quantize_rows<float>(kernels, input, values, scales);
+    quantize_rows<float>(kernels, input, block_inputs, q, s, nothing_more);
   } else {
-    quantize_rows<uint16_t>(kernels, input, values, scales);
+    quantize_rows<uint16_t>(kernels, input, block_inputs, q, s, nothing_more);
   }
   return {values, scales};
 }
@@ -158,19 +162,14 @@ constexpr int64_t kReusedStagingBytes = 1 << 20;
 
 constexpr int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// `bytes` of 64-byte aligned memory for one call's staging: the thread's buffer, or `storage`
-// allocated for it.
+// `bytes` of 64-byte aligned memory for one call's staging: the calling thread's buffer, or
+// `storage` allocated for it.
 char* staging_memory(int64_t bytes, at::Tensor& storage) {
   if (bytes > kReusedStagingBytes) {
     storage = at::empty({bytes + 64}, at::TensorOptions().dtype(at::kByte));
     return reinterpret_cast<char*>(aligned64(reinterpret_cast<intptr_t>(storage.data_ptr())));
   }
-  struct alignas(64) CacheLine {
-    char bytes[64];
-  };
-  thread_local std::vector<CacheLine> buffer;
-  if (static_cast<int64_t>(buffer.size()) * 64 < bytes) buffer.resize(static_cast<size_t>(aligned64(bytes) / 64));
-  return buffer.front().bytes;
+  return thread_buffer<StagedInputs>(bytes);
 }
 
 // One call's staging memory: offsets, then scales and values for the rows the op quantizes
@@ -221,18 +220,10 @@ class Staging {
 template <class T>
 StagedInputs quantize_and_stage(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs,
                                 at::Tensor& storage) {
-  const auto& kernel = typed<T>(kernels);
-  const int64_t rows = input.size(0), in_features = input.size(1);
-  const int64_t blocks = (in_features + block_inputs - 1) / block_inputs, row_inputs = blocks * block_inputs;
+  const int64_t rows = input.size(0), blocks = (input.size(1) + block_inputs - 1) / block_inputs;
   const Staging staging(kernels, rows, blocks, block_inputs, storage);
-  const auto* x = static_cast<const T*>(input.data_ptr());
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int8_t* row_values = staging.values + r * row_inputs;
-      kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, row_values, staging.scales + r * blocks);
-      staging.stage_row(r, row_values);
-    }
-  });
+  quantize_rows<T>(kernels, input, block_inputs, staging.values, staging.scales,
+                   [&](int64_t r) { staging.stage_row(r, staging.values + r * blocks * block_inputs); });
   return staging.inputs(staging.values, staging.scales);
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace contbatch {
@@ -28,6 +29,18 @@ struct PanelRun {
 // across a thread's consecutive calls on it.
 constexpr int64_t kMaxPanelRunRows = 48;
 
+// `bytes` (at least 64) of 64-byte aligned memory private to the calling thread, kept and
+// grown across calls: one buffer per Owner type, so two users on one thread never share it.
+template <class Owner>
+char* thread_buffer(int64_t bytes) {
+  struct alignas(64) CacheLine {
+    char bytes[64];
+  };
+  thread_local std::vector<CacheLine> lines;
+  lines.resize(std::max<size_t>({lines.size(), static_cast<size_t>((bytes + 63) / 64), 1}));
+  return lines.front().bytes;
+}
+
 // Runs every panel x row tile of a call on the thread pool: each thread calls run(PanelRun,
 // scratch) over its range in order, at most kMaxPanelRunRows rows a call. `scratch`:
 // scratch_bytes, 64-byte aligned, private to the thread and kept across calls, its first 64
@@ -35,19 +48,15 @@ constexpr int64_t kMaxPanelRunRows = 48;
 // thread's first run of the call.
 template <class Run>
 void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run) {
-  struct alignas(64) CacheLine {
-    char bytes[64];
-  };
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;  // per panel
   const int64_t max_run_tiles = std::max<int64_t>(1, kMaxPanelRunRows / tile_rows);
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<CacheLine> scratch;
-    scratch.resize(std::max<size_t>({scratch.size(), static_cast<size_t>((scratch_bytes + 63) / 64), 1}));
-    scratch[0] = CacheLine{};
+    char* scratch = thread_buffer<Run>(scratch_bytes);
+    std::memset(scratch, 0, 64);
     for (int64_t unit = begin; unit < end;) {
       const int64_t panel = unit / tiles, row0 = unit % tiles * tile_rows;
       const int64_t stop = std::min({end, (panel + 1) * tiles, unit + max_run_tiles});
-      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0}, scratch.data());
+      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0}, scratch);
       unit = stop;
     }
   });
