@@ -4,7 +4,8 @@
 #   BUNDLE/whl/   wheels for the machine's Python of what its CUDA image lacks and the tests
 #                 import (gguf, llguidance, jsonschema and its own needs)
 #   BUNDLE/p0/, BUNDLE/p1/, ...  the demo GGUF file (98 MB) in parts of at most PART_MIB, one
-#                 a folder, so that each call carries one; BUNDLE/gguf.sha256 checks the join
+#                 a folder, so that each call carries one; each also holds gguf.sha256, which
+#                 checks the join (so the call that joins carries it without naming it)
 #
 #   bash benchmarks/gpu_bundle.sh BUNDLE [PART_MIB] [PYTHON_VERSION]   # defaults: 48, 3.12
 # GPU_BUNDLE_NO_WHEELS=1 skips the wheels (no network here). PYTHON: the Python that runs
@@ -14,14 +15,16 @@
 # calls keeps it); the first can build (GPU_CHECK_STEPS=build), the last joins the parts:
 #   mkdir -p /tmp/cb && cp BUNDLE/p0/* /tmp/cb/
 #   cp BUNDLE/p1/* /tmp/cb/ && cat /tmp/cb/part_* > /tmp/cb/SmolLM2-135M-Instruct.Q4_1.gguf
-#   (cd /tmp/cb && sha256sum -c -) < BUNDLE/gguf.sha256 && export CONTBATCH_CACHE=/tmp/cb
+#   (cd /tmp/cb && sha256sum -c gguf.sha256 && rm part_*) && export CONTBATCH_CACHE=/tmp/cb
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site BUNDLE/whl/*.whl
 #   PYTHONPATH=/tmp/site CXX=/usr/bin/g++ GPU_CHECK_STEPS="throughput suite" \
 #     bash benchmarks/gpu_check.sh OUT_DIR 540
 # What fitted a 15-minute lease on an H200 (2026-11-27, docs/design/experiments.md): call 1
 # (p0, whl) built (96 s) and ran the cuda cases that need no real weights; call 2 (p1, whl),
 # sent as soon as call 1 returned (a warm machine goes back 30 s after a call), ran
-# GPU_CHECK_STEPS=suite (322 s on 8 workers); call 3 ran gpu_throughput.py (129 s).
+# GPU_CHECK_STEPS=suite (322 s on 8 workers); call 3 ran gpu_throughput.py (129 s). Two calls
+# did it on 2026-11-28 (657 s with the start): call 1 GPU_CHECK_STEPS="build cuda_tests"
+# (133 s), call 2 GPU_CHECK_STEPS="throughput suite" (460 s: chat256 then the suite in 288 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_bundle.sh BUNDLE [PART_MIB] [PYTHON_VERSION]}
@@ -30,14 +33,15 @@ python_version=${3:-3.12}
 mkdir -p "$out"
 
 gguf=$("${PYTHON:-python3}" -c "from contbatch.demo_model import demo_gguf_path; print(demo_gguf_path())")
-rm -rf "$out"/p[0-9]*
+rm -rf "$out"/p[0-9]* "$out/gguf.sha256"
 (cd "$out" && split -b "${part_mib}M" -d -a 2 "$gguf" part_)
 index=0
 for part in "$out"/part_*; do
   mkdir -p "$out/p$index" && mv "$part" "$out/p$index/"
   index=$((index + 1))
 done
-(cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") > "$out/gguf.sha256"
+checksum=$(cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")")
+for part_dir in "$out"/p[0-9]*; do echo "$checksum" > "$part_dir/gguf.sha256"; done
 echo "gpu_bundle: $(basename "$gguf") in $index parts of at most $part_mib MiB under $out/p*/"
 
 if [[ ${GPU_BUNDLE_NO_WHEELS:-0} != 1 ]]; then

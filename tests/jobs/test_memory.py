@@ -54,7 +54,11 @@ def test_rss_is_flat_over_50k_prompts(tmp_path, chat_model_dir):
         assert window, f"no RSS samples between {low:.0%} and {high:.0%} of the run"
         return max(window)
 
-    early, late = peak(0.1, 0.3), peak(0.8, 1.0)
+    # Both windows lie while records are being written: what a job keeps per record shows
+    # there. After the last one the process winds up, and on a GPU machine's CUDA build of torch
+    # its RSS rose once by 85 MiB then (docs/performance.md, the CUDA path's fourth run), which
+    # says nothing of what a longer input would need.
+    early, late = peak(0.1, 0.3), peak(0.7, 0.95)
     assert late - early < GROWTH_BOUND_MIB, (
         f"RSS grew from {early:.0f} MiB to {late:.0f} MiB; {_curve(samples)}")
 
