@@ -129,6 +129,19 @@ def use_cpu_isa(isa: str) -> Iterator[None]:
         set_cpu_isa(before)
 
 
+def amx_bf16_matmuls() -> bool:
+    """Whether oneDNN multiplies bf16 in AMX tiles here, so that bf16 linears of many rows
+    go to it (contbatch/layers/linear.py): a CPU with AMX (Sapphire Rapids and later Xeons)
+    whose kernels run an AVX-512 tier. Forcing a lower tier (CONTBATCH_CPU_ISA, use_cpu_isa)
+    before a model loads, or CONTBATCH_AMX=0, keeps its bf16 linears on the panel kernel alone."""
+    if os.environ.get("CONTBATCH_AMX", "1") == "0" or cpu_isa() not in ("avx512", "avx512_bf16"):
+        return False
+    try:
+        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without these probes
+        return False
+
+
 def bf16_linear_available() -> bool:
     """Whether ``bf16_linear`` has a compiled kernel: every ISA tier has one, so bf16
     weights take its panel layout wherever the extension is built."""
@@ -194,6 +207,7 @@ __all__ = [
     "copy_blocks",
     *ROW_OPS,
     "bf16_linear",
+    "amx_bf16_matmuls",
     "bf16_linear_available",
     "int8_quantize_rows",
     "int8_linear",

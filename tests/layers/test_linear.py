@@ -53,3 +53,49 @@ def test_dtypes_no_kernel_packs_stay_plain():
     assert not layer.pack() and layer.packed_weight is None
     x = torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+
+
+def test_amx_matmuls_are_chosen_where_the_cpu_has_amx(monkeypatch):
+    if ops.BACKEND != "native":
+        pytest.skip("the kernel tiers need the built extension")
+    has_amx = {"amx_bf16", "amx_tile"} <= _cpu_flags() and linear.onednn_can_pack(torch.empty(1, dtype=torch.bfloat16))
+    assert ops.amx_bf16_matmuls() == (has_amx and ops.cpu_isa() in ("avx512", "avx512_bf16"))
+    monkeypatch.setenv("CONTBATCH_AMX", "0")
+    assert not ops.amx_bf16_matmuls()
+    monkeypatch.delenv("CONTBATCH_AMX")
+    below = [isa for isa in ops.supported_cpu_isas() if isa in ("generic", "avx2")]
+    with ops.use_cpu_isa(below[-1]):
+        assert not ops.amx_bf16_matmuls(), "a forced lower tier keeps bf16 linears on the panels"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("amx", ["this CPU", "forced"])
+def test_calls_of_many_rows_take_the_onednn_layout(amx, bias, monkeypatch):
+    """With AMX a bf16 weight keeps both layouts: calls of AMX_MIN_ROWS rows or more get
+    oneDNN's result, fewer the panel kernel's, both within rounding of F.linear. "forced"
+    runs the same routing on any CPU whose oneDNN does bf16 (without AMX it is slower there,
+    not wrong), so CPUs without AMX test it too."""
+    if not ops.bf16_linear_available() or not linear.onednn_can_pack(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("needs the extension's panel kernel and oneDNN's bf16 linear (AVX-512 or AVX-NE-CONVERT)")
+    if amx == "forced":
+        monkeypatch.setattr(linear.ops, "amx_bf16_matmuls", lambda: True)
+    elif not ops.amx_bf16_matmuls():
+        pytest.skip("this CPU has no AMX (or its kernels run below the AVX-512 tiers)")
+    for rows in (1, linear.AMX_MIN_ROWS - 1, linear.AMX_MIN_ROWS, 64):
+        layer, x, expected = _layer_and_expected(torch.bfloat16, bias, rows)
+        assert layer.pack() and layer.packed_weight.layout == "panels" and layer.packed_weight.many_rows is not None
+        packed = layer.packed_weight
+        with torch.inference_mode():
+            out = layer(x)
+            if rows >= linear.AMX_MIN_ROWS:
+                chosen = torch.ops.mkldnn._linear_pointwise(x, packed.many_rows, layer.bias, "none", [], "")
+            else:
+                chosen = torch.empty_like(out)
+                ops.bf16_linear(chosen, x, packed.data, layer.bias)
+        assert torch.equal(out, chosen), f"{rows} rows took the other layout"
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-3)
