@@ -40,14 +40,17 @@ _KNOWN_KINDS = {("AuthenticAMD", "25", "17"): "zen4", ("AuthenticAMD", "25", "1"
 
 def cpu_kind() -> str:
     """Which kind of CPU a result belongs to: "zen4", "zen3", "zen5", else "<vendor>-<family>-<model>";
-    with "-<tier>" added when CONTBATCH_CPU_ISA forced a tier other than "auto"'s. Each
-    kind has its own sections in docs/performance.md."""
+    with "-<tier>" added when CONTBATCH_CPU_ISA forced a tier other than "auto"'s, and "-amx"
+    where bf16 matmuls run in AMX tiles (the same CPU model comes with and without AMX exposed
+    on these machines). Each kind has its own sections in docs/performance.md."""
     fields = _cpuinfo()
     vendor, family, model = fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?")
     short_vendor = vendor.removeprefix("Genuine").removeprefix("Authentic").lower()
     kind = _KNOWN_KINDS.get((vendor, family, model)) or f"{short_vendor}-{family}-{model}"
     if ops.cpu_isa() != ops.best_cpu_isa():
         kind += f"-{ops.cpu_isa()}"
+    if ops.amx_bf16_matmuls():
+        kind += "-amx"
     return kind
 
 

@@ -18,16 +18,22 @@ def test_the_parts_join_into_the_demo_gguf_file(smollm_gguf, tmp_path):
                    env=env, check=True, capture_output=True, text=True)
     folders = sorted(bundle.glob("p*"))
     assert [f.name for f in folders] == ["p0", "p1", "p2"]  # 98 MB in parts of 40 MiB
-    parts = [part for folder in folders for part in sorted(folder.iterdir())]
+    assert all(sorted(f.name for f in folder.iterdir()) == ["gguf.sha256", f"part_0{i}"]
+               for i, folder in enumerate(folders)), "one part and the checksum in each folder"
+    parts = sorted(bundle.glob("p*/part_*"))
     assert all(part.stat().st_size <= 40 << 20 for part in parts)
 
-    joined = tmp_path / "cb" / smollm_gguf.name
-    joined.parent.mkdir()
-    joined.write_bytes(b"".join(part.read_bytes() for part in parts))
+    # As the header tells the GPU machine: every folder's files copied to one place, the parts
+    # joined in name order, the checksum (which came with the last folder) checked there.
+    cache = tmp_path / "cb"
+    cache.mkdir()
+    for folder in folders:
+        for file in folder.iterdir():
+            (cache / file.name).write_bytes(file.read_bytes())
+    joined = cache / smollm_gguf.name
+    joined.write_bytes(b"".join(part.read_bytes() for part in sorted(cache.glob("part_*"))))
     assert hashlib.sha256(joined.read_bytes()).digest() == hashlib.sha256(smollm_gguf.read_bytes()).digest()
-    with open(bundle / "gguf.sha256") as sums:
-        subprocess.run(["sha256sum", "-c", "-"], stdin=sums, cwd=joined.parent, check=True, capture_output=True)
+    subprocess.run(["sha256sum", "-c", "gguf.sha256"], cwd=cache, check=True, capture_output=True)
     data = joined.read_bytes()
     joined.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one byte changed: the check fails
-    with open(bundle / "gguf.sha256") as sums:
-        assert subprocess.run(["sha256sum", "-c", "-"], stdin=sums, cwd=joined.parent, capture_output=True).returncode
+    assert subprocess.run(["sha256sum", "-c", "gguf.sha256"], cwd=cache, capture_output=True).returncode
