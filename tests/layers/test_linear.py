@@ -93,7 +93,7 @@ def test_calls_of_many_rows_take_the_onednn_layout(amx, bias, monkeypatch):
         with torch.inference_mode():
             out = layer(x)
             if rows >= linear.AMX_MIN_ROWS:
-                chosen = torch.ops.mkldnn._linear_pointwise(x, packed.many_rows, layer.bias, "none", [], "")
+                chosen = linear.onednn_linear(x, packed.many_rows, layer.bias)
             else:
                 chosen = torch.empty_like(out)
                 ops.bf16_linear(chosen, x, packed.data, layer.bias)
