@@ -1,5 +1,6 @@
 """Times the bf16 linear layers of one SmolLM2-135M step: contbatch's panel kernel against
-oneDNN's packed linear (what contbatch used before) and plain ``F.linear``; with ``--int8``,
+oneDNN's packed linear (what contbatch used before) and plain ``F.linear``; on CPUs with AMX,
+the panels with the AMX kernel switched off too (``vector``); with ``--int8``,
 the same weights in 8-bit blocks too (``LLM(quantization="int8")``'s layers).
 
 One "step" is the model's 121 projections (fused QKV, O, fused gate-up and down for 30
@@ -73,6 +74,20 @@ def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], Pack
     return run, sum(packed_bytes(p) for _, p in packed)
 
 
+def without_amx(step):
+    """``step`` (a packed_step) with the AMX kernel switched off: the vector kernel alone."""
+    run, nbytes = step
+
+    def run_on_the_vector_kernel(inputs: dict[int, torch.Tensor]) -> None:
+        before = ops.set_amx_matmuls(False)
+        try:
+            run(inputs)
+        finally:
+            ops.set_amx_matmuls(before)
+
+    return run_on_the_vector_kernel, nbytes
+
+
 def plain_step(weights: list[torch.Tensor]):
     def run(inputs: dict[int, torch.Tensor]) -> None:
         for w in weights:
@@ -87,16 +102,18 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
     copies_note = f" ({copies} copies of them, run one after another, times per copy)" if copies > 1 else ""
     int8_note = (f" `int8`: the same weights in 8-bit blocks of {int8_block} inputs ({step_bytes['int8'] / 1e6:.0f} MB with their "
                  f"scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
+    amx_note = (" `panels`: `bf16_linear` as the engine calls it, calls of 5 rows or more on the AMX kernel; "
+                "`vector`: the same with AMX switched off." if "vector" in results else "")
     lines = [
         f"One step = SmolLM2-135M's 121 bf16 projections{copies_note}, {step_bytes[names[0]] / 1e6:.0f} MB of weights."
-        f"{int8_note} "
+        f"{int8_note}{amx_note} "
         f"Copy bandwidth {copy_gbs:.1f} GB/s (read + write). torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, CPU: {cpu_description()}. "
         "Times: fastest of 4 steps.",
         "",
     ]
     # (column, faster, slower): how many times faster the first system ran, where both ran.
-    pairs = (("panels", "onednn"), ("int8", "panels"))
+    pairs = (("panels", "onednn"), ("panels", "vector"), ("int8", "panels"))
     ratios = [(f"{a} vs {b}", a, b) for a, b in pairs if a in results and b in results]
     lines += [
         "| rows | " + " | ".join([f"{n} ms (GB/s, GFLOP/s)" for n in names] + [r[0] for r in ratios]) + " |",
@@ -130,7 +147,10 @@ def main() -> None:
     if onednn_can_pack(weights[0]):  # oneDNN has bf16 on AVX-512 and AVX-NE-CONVERT CPUs only
         steps = {"onednn": packed_step(weights, onednn_packed), **steps}
     if ops.bf16_linear_available():
-        steps = {"panels": packed_step(weights, panel_packed), **steps}
+        panels = packed_step(weights, panel_packed)
+        if ops.amx_bf16_matmuls():  # "panels" takes the AMX kernel from 5 rows: the vector kernel beside it
+            steps = {"vector": without_amx(panels), **steps}
+        steps = {"panels": panels, **steps}
     if args.int8:
         with ops.use_int8_kernel(args.int8_kernel):  # the blocks LLM(quantization="int8") takes with that kernel
             block = ops.int8_weight_block()

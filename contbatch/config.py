@@ -194,7 +194,7 @@ def cpu_serves_bf16() -> bool:
     """Whether bf16 is the faster CPU dtype for batched generation. Measured on chat256
     (docs/performance.md): bf16 wins where the kernels run the avx512_bf16 tier, whose
     vdpbf16ps does twice an FMA's work (Zen 4: 578 against 276 output tok/s), and on CPUs
-    with AMX, whose bf16 linears of many rows go to oneDNN's AMX tiles (ops.amx_bf16_matmuls;
+    with AMX, whose bf16 linears of many rows run in AMX tiles (ops.amx_bf16_matmuls;
     Emerald Rapids: 844 against 313 for fp32). Elsewhere bf16
     still halves the bytes a decode step reads (1.3-1.7x faster steps with few requests
     running), but fp32 matmuls are faster at the many-request steps that dominate a large

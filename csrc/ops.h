@@ -59,5 +59,11 @@ std::string cpu_kernel_isa();
 void set_cpu_isa(std::string isa);
 std::vector<std::string> supported_cpu_isas();
 std::string best_cpu_isa();
+// Whether bf16 linears of many rows run on the AMX kernel now (csrc/cpu/cpu_isa.h,
+// amx_linear_kernels), and switching AMX (bf16 and int8) on or off (returns the setting before).
+bool amx_linears();
+bool set_amx_linears(bool on);
+// Whether int8 linears of many rows run on the AMX int8 kernel now (amx_int8_linear_kernels).
+bool amx_int8_linears();
 
 }  // namespace contbatch

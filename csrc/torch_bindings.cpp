@@ -34,6 +34,9 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("set_cpu_isa(str isa) -> ()", &contbatch::set_cpu_isa);
   m.def("supported_cpu_isas() -> str[]", &contbatch::supported_cpu_isas);
   m.def("best_cpu_isa() -> str", &contbatch::best_cpu_isa);
+  m.def("amx_linears() -> bool", &contbatch::amx_linears);
+  m.def("set_amx_linears(bool on) -> bool", &contbatch::set_amx_linears);
+  m.def("amx_int8_linears() -> bool", &contbatch::amx_int8_linears);
 }
 
 TORCH_LIBRARY_IMPL(contbatch, CPU, m) {

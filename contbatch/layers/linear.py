@@ -19,11 +19,10 @@ every call. Two layouts replace it:
   oneDNN's blocked format, called directly; 1.3-2.4x faster than ``F.linear`` for the
   few-token matmuls of decode and no slower at 256 tokens, with ``F.linear``'s results.
 
-On CPUs with AMX (``ops.amx_bf16_matmuls``) a bf16 weight is kept in both the panel layout
-and oneDNN's: oneDNN multiplies in AMX tiles, 4-8x the panel kernel's rate from 64 rows up
-(Emerald Rapids: 0.9-1.1 TFLOP/s against 0.11-0.15), but the panels stream one row's
-weights about twice as fast, so calls of fewer than ``AMX_MIN_ROWS`` rows take the panels.
-Twice the bytes of those weights in memory buy that.
+On CPUs with AMX (``ops.amx_bf16_matmuls``: Sapphire Rapids and later Xeons) the same panels
+feed AMX tiles: a panel's pair rows are the B operand ``tdpbf16ps`` reads, so ``bf16_linear``
+runs calls of 5 rows or more in AMX tiles (csrc/cpu/linear_amx_kernel.h) and fewer on the
+vector kernel, from one copy of the weight.
 """
 
 from dataclasses import dataclass
@@ -37,9 +36,6 @@ from contbatch.ops.int8_blocks import Q8_0_BLOCK, Int8Blocks, PackedInt8, pack_i
 from contbatch.ops.panel_layout import pack_panels
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
-AMX_MIN_ROWS = 5
-"""Calls of this many rows or more take oneDNN's AMX matmul where a weight has one: at 1-4
-rows the panel kernel was as fast or faster (docs/performance.md, AMX)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +45,6 @@ class PackedWeight:
     data: torch.Tensor | PackedInt8
     layout: str  # "panels", "onednn" or "int8"
     out_features: int
-    many_rows: torch.Tensor | None = None
-    """With "panels" on an AMX CPU: the same weight in oneDNN's layout, for calls of
-    ``AMX_MIN_ROWS`` rows or more."""
 
 
 def onednn_can_pack(weight: torch.Tensor) -> bool:
@@ -63,11 +56,9 @@ def onednn_can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def panel_packed(weight: torch.Tensor, many_rows: bool = False) -> PackedWeight:
-    """``weight`` (bf16, CPU) in the panel layout of contbatch's ``bf16_linear``; with
-    ``many_rows``, also in oneDNN's layout for calls of many rows."""
-    onednn = onednn_packed(weight).data if many_rows else None
-    return PackedWeight(pack_panels(weight), "panels", weight.shape[0], onednn)
+def panel_packed(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` (bf16, CPU) in the panel layout of contbatch's ``bf16_linear``."""
+    return PackedWeight(pack_panels(weight), "panels", weight.shape[0])
 
 
 def onednn_packed(weight: torch.Tensor) -> PackedWeight:
@@ -81,7 +72,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16 and ops.bf16_linear_available():
-        return panel_packed(weight, many_rows=ops.amx_bf16_matmuls())
+        return panel_packed(weight)
     if onednn_can_pack(weight):
         return onednn_packed(weight)
     return None
@@ -100,8 +91,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.layout == "onednn":
         return onednn_linear(x, packed.data, bias)
-    if packed.many_rows is not None and x.numel() >= AMX_MIN_ROWS * x.shape[-1]:
-        return onednn_linear(x, packed.many_rows, bias)
     # The model's activations are 2-D already: skipping reshape and view there saves ~2 us a
     # call, 121 calls a decode step.
     flat = x.dim() == 2

@@ -22,7 +22,7 @@ from contbatch import ops
 from contbatch.layers import dense_prefill
 from contbatch.layers.activation import silu_and_mul
 from contbatch.layers.attention import AttentionMetadata, KVCache
-from contbatch.layers.linear import AMX_MIN_ROWS, Linear
+from contbatch.layers.linear import Linear
 from contbatch.layers.norm import RMSNorm
 
 _LAYOUTS = ("panels", "int8", "onednn")
@@ -77,8 +77,7 @@ def _native_linear(linear: Linear) -> torch.ScriptObject:
     data = packed.data
     if packed.layout == "int8":
         data, scales = packed.data.values, packed.data.scales
-    return torch.classes.contbatch.PackedLinear(
-        packed.layout, data, scales, linear.bias, packed.out_features, packed.many_rows, AMX_MIN_ROWS)
+    return torch.classes.contbatch.PackedLinear(packed.layout, data, scales, linear.bias, packed.out_features)
 
 
 class NativeDecoder:

@@ -73,7 +73,7 @@ CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
 
 
 def _choose_isa_from_environment() -> None:
-    """Applies CONTBATCH_CPU_ISA and CONTBATCH_INT8_KERNEL once, at import: a tier or int8
+    """Applies CONTBATCH_CPU_ISA, CONTBATCH_INT8_KERNEL and CONTBATCH_AMX once, at import: a tier or int8
     kernel this CPU lacks is refused here, before any model loads, not on the first op call.
     The int8 kernel variable is how a benchmark runs, say, AVX2's vpmaddwd kernel on a CPU
     that also has AVX-VNNI (an AVX2-only CPU's kernel on the machine at hand)."""
@@ -86,6 +86,8 @@ def _choose_isa_from_environment() -> None:
                                  "PyTorch reference ops run; unset it or build the extension")
         return
     set_cpu_isa(isa)
+    if os.environ.get("CONTBATCH_AMX", "1") == "0":
+        _native.set_amx_linears(False)
     if int8_kernel not in ("auto", ""):
         try:
             _native.set_int8_kernel(int8_kernel)
@@ -130,16 +132,27 @@ def use_cpu_isa(isa: str) -> Iterator[None]:
 
 
 def amx_bf16_matmuls() -> bool:
-    """Whether oneDNN multiplies bf16 in AMX tiles here, so that bf16 linears of many rows
-    go to it (contbatch/layers/linear.py): a CPU with AMX (Sapphire Rapids and later Xeons)
-    whose kernels run an AVX-512 tier. Forcing a lower tier (CONTBATCH_CPU_ISA, use_cpu_isa)
-    before a model loads, or CONTBATCH_AMX=0, keeps its bf16 linears on the panel kernel alone."""
-    if os.environ.get("CONTBATCH_AMX", "1") == "0" or cpu_isa() not in ("avx512", "avx512_bf16"):
+    """Whether ``bf16_linear`` runs calls of many rows in AMX tiles now
+    (csrc/cpu/linear_amx_kernel.h): a CPU with AMX (Sapphire Rapids and later Xeons) whose
+    kernels run an AVX-512 tier. Forcing a lower tier (CONTBATCH_CPU_ISA, use_cpu_isa), or
+    CONTBATCH_AMX=0 before import (or ``set_amx_matmuls(False)``), keeps every call on
+    the vector kernel."""
+    return _native is not None and bool(_native.amx_linears())
+
+
+def amx_int8_matmuls() -> bool:
+    """Whether int8 linears (``quantization="int8"``, 64-input blocks, the avx512_vnni int8
+    kernel) of many rows run in AMX tiles now (csrc/cpu/int8_amx_kernel.h): as
+    ``amx_bf16_matmuls``, on a CPU with AMX-INT8."""
+    return _native is not None and bool(_native.amx_int8_linears())
+
+
+def set_amx_matmuls(on: bool) -> bool:
+    """Switches the AMX kernels (bf16 and int8) on or off (on changes nothing on a CPU without
+    AMX); returns the setting before."""
+    if _native is None:
         return False
-    try:
-        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without these probes
-        return False
+    return bool(_native.set_amx_linears(on))
 
 
 def bf16_linear_available() -> bool:
@@ -208,6 +221,8 @@ __all__ = [
     *ROW_OPS,
     "bf16_linear",
     "amx_bf16_matmuls",
+    "set_amx_matmuls",
+    "amx_int8_matmuls",
     "bf16_linear_available",
     "int8_quantize_rows",
     "int8_linear",

@@ -8,6 +8,11 @@
 
 #include <atomic>
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace contbatch::cpu {
 namespace {
 
@@ -98,6 +103,71 @@ void set_cpu_isa(std::string_view name) {
 
 std::string best_cpu_isa() { return best_kernels()->isa; }
 
+namespace {
+
+// Linux keeps the AMX tile registers off until a process asks for them (a tile instruction
+// before that raises SIGILL): arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once.
+bool tile_data_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr int kArchRequestXcompPerm = 0x1023;
+  constexpr int kXfeatureTileData = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureTileData) == 0;
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+  __builtin_cpu_init();
+  return has_avx512_bf16() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_amx_int8() {
+#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+  __builtin_cpu_init();
+  return cpu_has_amx_bf16() && __builtin_cpu_supports("amx-int8");
+#else
+  return false;
+#endif
+}
+
+bool avx512_tier_runs() {
+  const KernelSet& tier = active_kernels();
+  return &tier == avx512_kernel_set() || &tier == avx512_bf16_kernel_set();
+}
+
+std::atomic<bool>& amx_switched_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+}  // namespace
+
+bool amx_linears_supported() {
+  static const bool supported = cpu_has_amx_bf16() && amx_bf16_linear_kernels() != nullptr && tile_data_permitted();
+  return supported;
+}
+
+const LinearKernels* amx_linear_kernels() {
+  if (!amx_switched_on().load(std::memory_order_relaxed) || !amx_linears_supported() || !avx512_tier_runs()) {
+    return nullptr;
+  }
+  return amx_bf16_linear_kernels();
+}
+
+const Int8Kernels* amx_int8_linear_kernels() {
+  static const bool supported = cpu_has_amx_int8() && int8_amx_kernels() != nullptr && tile_data_permitted();
+  if (!amx_switched_on().load(std::memory_order_relaxed) || !supported || !avx512_tier_runs()) return nullptr;
+  return int8_amx_kernels();
+}
+
+bool set_amx_linears(bool on) { return amx_switched_on().exchange(on); }
+
 std::vector<std::string> supported_cpu_isas() {
   std::vector<std::string> names;
   for (const Tier& tier : kTiers) {
@@ -113,4 +183,7 @@ std::string cpu_kernel_isa() { return cpu::active_kernels().isa; }
 void set_cpu_isa(std::string isa) { cpu::set_cpu_isa(isa); }
 std::vector<std::string> supported_cpu_isas() { return cpu::supported_cpu_isas(); }
 std::string best_cpu_isa() { return cpu::best_cpu_isa(); }
+bool amx_linears() { return cpu::amx_linear_kernels() != nullptr; }
+bool set_amx_linears(bool on) { return cpu::set_amx_linears(on); }
+bool amx_int8_linears() { return cpu::amx_int8_linear_kernels() != nullptr; }
 }  // namespace contbatch

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "int8_kernel_api.h"
 #include "kernel_set.h"
 
 namespace contbatch::cpu {
@@ -24,5 +25,19 @@ std::string best_cpu_isa();
 
 // The tiers this CPU and build can run, slowest first ("generic" is always there).
 std::vector<std::string> supported_cpu_isas();
+
+// The AMX bf16 linear kernel (linear_amx_kernel.h) where it runs now: a CPU with AMX-TILE
+// and AMX-BF16 whose kernel (Linux) may use the tile registers, a build that compiled it,
+// an AVX-512 tier chosen (a lower one, forced, stands for a CPU without AMX) and AMX not
+// switched off (set_amx_linears); else nullptr.
+const LinearKernels* amx_linear_kernels();
+// The AMX int8 linear kernel (int8_amx_kernel.h) where it runs now: as amx_linear_kernels,
+// with AMX-INT8.
+const Int8Kernels* amx_int8_linear_kernels();
+// Whether this CPU and build can run the AMX bf16 kernel at all.
+bool amx_linears_supported();
+// Switches the AMX kernels (bf16 and int8) on or off (CONTBATCH_AMX=0, read by contbatch.ops at import);
+// returns the setting before. On where the CPU lacks AMX changes nothing.
+bool set_amx_linears(bool on);
 
 }  // namespace contbatch::cpu

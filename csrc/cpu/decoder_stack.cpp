@@ -30,27 +30,20 @@ namespace {
 class PackedLinear : public torch::CustomClassHolder {
  public:
   // layout: "panels" (data: bf16_linear's panels), "int8" (data, scales: the int8
-  // kernel's blocks) or "onednn" (data: oneDNN's blocked weight). many_rows: with "panels",
-  // the weight in oneDNN's layout too (AMX CPUs), taken by calls of many_rows_from rows or more.
+  // kernel's blocks) or "onednn" (data: oneDNN's blocked weight).
   PackedLinear(const std::string& layout, at::Tensor data, std::optional<at::Tensor> scales,
-               std::optional<at::Tensor> bias, int64_t out_features, std::optional<at::Tensor> many_rows,
-               int64_t many_rows_from)
+               std::optional<at::Tensor> bias, int64_t out_features)
       : layout_(parse_layout(layout)),
         data_(std::move(data)),
         scales_(std::move(scales)),
         bias_(std::move(bias)),
-        many_rows_(std::move(many_rows)),
-        many_rows_from_(many_rows_from),
         out_features_(out_features) {
     TORCH_CHECK_VALUE(layout_ != Layout::kInt8 || scales_.has_value(), "PackedLinear: the int8 layout needs its scales");
-    TORCH_CHECK_VALUE(!many_rows_.has_value() || layout_ == Layout::kPanels,
-                      "PackedLinear: only the panels layout takes a many-rows weight");
   }
 
   // rows: [tokens, in_features], contiguous rows (packed_linear's 2-D case).
   at::Tensor operator()(const at::Tensor& rows) const {
-    if (layout_ == Layout::kOneDnn) return onednn_linear(rows, data_);
-    if (many_rows_.has_value() && rows.size(0) >= many_rows_from_) return onednn_linear(rows, *many_rows_);
+    if (layout_ == Layout::kOneDnn) return onednn_linear(rows);
     at::Tensor out = at::empty({rows.size(0), out_features_}, rows.options());
     if (layout_ == Layout::kInt8) {
       int8_quantize_linear_cpu(out, rows, data_, *scales_, bias_);
@@ -72,10 +65,10 @@ class PackedLinear : public torch::CustomClassHolder {
 
   // torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], None), as packed_linear
   // calls it. Boxed: the op's unboxed C++ signature is not part of torch's stable headers.
-  at::Tensor onednn_linear(const at::Tensor& rows, const at::Tensor& weight) const {
+  at::Tensor onednn_linear(const at::Tensor& rows) const {
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> stack{rows, weight, bias_.has_value() ? c10::IValue(*bias_) : c10::IValue(),
+    std::vector<c10::IValue> stack{rows, data_, bias_.has_value() ? c10::IValue(*bias_) : c10::IValue(),
                                    c10::IValue(std::string("none")), c10::IValue(c10::List<std::optional<c10::Scalar>>()),
                                    c10::IValue()};
     op.callBoxed(&stack);
@@ -84,8 +77,7 @@ class PackedLinear : public torch::CustomClassHolder {
 
   Layout layout_;
   at::Tensor data_;
-  std::optional<at::Tensor> scales_, bias_, many_rows_;
-  int64_t many_rows_from_;
+  std::optional<at::Tensor> scales_, bias_;
   int64_t out_features_;
 };
 
@@ -218,7 +210,7 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(contbatch, m) {
   m.class_<PackedLinear>("PackedLinear")
       .def(torch::init<const std::string&, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                       int64_t, std::optional<at::Tensor>, int64_t>());
+                       int64_t>());
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)

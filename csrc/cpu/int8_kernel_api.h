@@ -69,6 +69,8 @@ struct Int8Kernels {
   int64_t tile_rows;  // rows of the panel kernel's register tile: the driver's unit of work (panel_runs.h)
   const Int8TypedKernels<float>* fp32;
   const Int8TypedKernels<uint16_t>* bf16;
+  int64_t (*scratch_bytes)(int64_t padded_inputs);  // what a panel call's `scratch` must hold
+  int64_t run_rows;  // rows of one panel call at most (a multiple of tile_rows)
 };
 
 // nullptr where this build could not compile the tier (as kernel_set.h's getters).
@@ -76,6 +78,9 @@ const Int8Kernels* int8_generic_kernels();
 const Int8Kernels* int8_avx2_kernels();
 const Int8Kernels* int8_avx_vnni_kernels();
 const Int8Kernels* int8_avx512_vnni_kernels();
+// The AMX kernel (int8_amx_kernel.h): panels only (quantize_row and quantize_kv_row are
+// nullptr), for calls of many rows of 64-input blocks staged as the VNNI kernel stages them.
+const Int8Kernels* int8_amx_kernels();
 
 }  // namespace contbatch::cpu
 

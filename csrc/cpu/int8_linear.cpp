@@ -257,7 +257,7 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
   const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
-  for_panel_runs(rows, panels, kernels.tile_rows, cpu::int8_scratch_bytes(blocks * block_inputs),
+  for_panel_runs(rows, panels, kernels.tile_rows, kernels.scratch_bytes(blocks * block_inputs),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
                    kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
@@ -265,12 +265,29 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
                                 b == nullptr ? nullptr : b + column0,
                                 o + run.row0 * out.stride(0) + column0, out.stride(0),
                                 std::min(cpu::kInt8PanelColumns, out_features - column0), scratch);
-                 });
+                 },
+                 kernels.run_rows);
 }
 
-void run_panels_typed(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedInputs& inputs,
+// Calls of this many rows or more of 64-input blocks take the AMX kernel where it runs
+// (cpu_isa.h), their inputs staged for the VNNI kernel. Fewer are bound by reading the
+// weights, which the VNNI kernel's panel-spanning tiles do well; AMX ran 16-64 rows 1.1-1.2x
+// and 256+ rows 1.8-2x faster (docs/performance.md, "AMX for int8 weights too"), fewer rows
+// were not tried.
+constexpr int64_t kAmxInt8MinRows = 16;
+
+// The panel kernel for a call staged for `kernels`: the AMX one where it takes the call.
+const cpu::Int8Kernels& panel_kernels(const cpu::Int8Kernels& kernels, int64_t rows, int64_t block_inputs) {
+  if (rows >= kAmxInt8MinRows && block_inputs == cpu::kInt8WideBlock && &kernels == cpu::int8_avx512_vnni_kernels()) {
+    if (const cpu::Int8Kernels* amx = cpu::amx_int8_linear_kernels()) return *amx;
+  }
+  return kernels;
+}
+
+void run_panels_typed(const cpu::Int8Kernels& staged_for, at::Tensor& out, const StagedInputs& inputs,
                       const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
                       const std::optional<at::Tensor>& bias) {
+  const cpu::Int8Kernels& kernels = panel_kernels(staged_for, out.size(0), block_inputs);
   if (out.scalar_type() == at::kFloat) {
     run_panels<float>(kernels, out, inputs, values, block_inputs, scales, bias);
   } else {

@@ -253,5 +253,5 @@ constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_r
                                             &int8_quantize_kv_row<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
                                                &int8_quantize_kv_row<uint16_t>};
-constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputBytes, kI8TileRows, &kInt8Fp32,
-                                 &kInt8Bf16};
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputBytes,        kI8TileRows, &kInt8Fp32,
+                                 &kInt8Bf16,          &int8_scratch_bytes, kVectorRunRows};

@@ -24,4 +24,8 @@ const KernelSet* avx2_kernel_set();         // AVX2 + FMA + F16C
 const KernelSet* avx512_kernel_set();       // AVX-512 F/BW/VL/DQ (bf16 dot products emulated)
 const KernelSet* avx512_bf16_kernel_set();  // the same + AVX512_BF16 (vdpbf16ps)
 
+// The bf16 linear kernel on AMX tiles (linear_amx_kernel.h), for calls of many rows beside
+// an AVX-512 tier's; nullptr where this build could not compile it.
+const LinearKernels* amx_bf16_linear_kernels();  // the AVX512_BF16 tier's ISA + AMX-TILE, AMX-BF16
+
 }  // namespace contbatch::cpu

@@ -9,5 +9,6 @@
 #include "linear_kernel.h"
 
 constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>};
-constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel, kLinearTileRows};
+constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel, kLinearTileRows, &linear_scratch_bytes,
+                                                kVectorRunRows};
 constexpr KernelSet kTierTable{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};

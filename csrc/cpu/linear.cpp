@@ -1,6 +1,7 @@
 // CPU driver of the bf16 linear op over panel-packed weights (layout: linear_kernel_api.h):
 // argument checks, threads over equal shares of (panel, row tile) units (panel_runs.h),
-// each on the active ISA tier's kernel (cpu_isa.h).
+// each on the active ISA tier's kernel (cpu_isa.h), or for calls of many rows on AMX CPUs,
+// the AMX kernel.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -17,6 +18,20 @@
 
 namespace contbatch {
 namespace {
+
+// Calls of this many rows or more take the AMX kernel where it runs (cpu_isa.h): at 1-4 rows
+// the vector kernel streams the weights as fast or faster (docs/performance.md, AMX).
+constexpr int64_t kAmxMinRows = 5;
+// The AMX kernel multiplies 32 inputs a tile; other widths stay on the vector kernel.
+constexpr int64_t kAmxInputMultiple = 32;
+
+// The kernel a call of `rows` x `in_features` runs on.
+const cpu::LinearKernels& linear_kernels_for(int64_t rows, int64_t in_features) {
+  if (rows >= kAmxMinRows && in_features % kAmxInputMultiple == 0) {
+    if (const cpu::LinearKernels* amx = cpu::amx_linear_kernels()) return *amx;
+  }
+  return *cpu::active_kernels().linear;
+}
 
 void check_bf16_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "bf16_linear: ", name, " must be torch.bfloat16, got ",
@@ -50,12 +65,12 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
     bias_data = static_cast<const uint16_t*>(bias->data_ptr());
   }
   if (rows == 0 || out_features == 0) return;
-  const cpu::LinearKernels& kernels = *cpu::active_kernels().linear;
+  const cpu::LinearKernels& kernels = linear_kernels_for(rows, in_features);
   const auto* x = static_cast<const uint16_t*>(input.data_ptr());
   const auto* weight = static_cast<const uint16_t*>(packed_weight.data_ptr());
   auto* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t panel_elements = pairs * 2 * cpu::kPanelColumns;
-  for_panel_runs(rows, panels, kernels.tile_rows, cpu::linear_scratch_bytes(in_features),
+  for_panel_runs(rows, panels, kernels.tile_rows, kernels.scratch_bytes(in_features),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kPanelColumns;
                    kernels.bf16_panel(x + run.row0 * input.stride(0), input.stride(0), run.rows, in_features,
@@ -63,7 +78,8 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                                       bias_data == nullptr ? nullptr : bias_data + column0,
                                       o + run.row0 * out.stride(0) + column0, out.stride(0),
                                       std::min(cpu::kPanelColumns, out_features - column0), scratch);
-                 });
+                 },
+                 kernels.run_rows);
 }
 
 }  // namespace contbatch

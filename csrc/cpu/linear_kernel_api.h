@@ -23,14 +23,20 @@ inline int64_t linear_scratch_bytes(int64_t in_features) {
   return kLinearScratchHeader + (in_features + 1) / 2 * (kMaxLinearTileRows * 8 + kPanelColumns * 2 * 4);
 }
 
+// Rows one call of the vector kernels takes at most: a panel's weights (64 columns x
+// in_features) stay in L2 across a thread's consecutive calls on it (panel_runs.h).
+constexpr int64_t kVectorRunRows = 48;
+
 struct LinearKernels {
   // out[rows, columns] = x[rows, in_features] . panel (+ bias[columns]) for one panel;
   // columns <= 64, bias may be nullptr. Rows are processed in register tiles; `scratch`
-  // holds linear_scratch_bytes(in_features), 64-byte aligned, private to the calling thread,
+  // holds scratch_bytes(in_features), 64-byte aligned, private to the calling thread,
   // its header zeroed by the driver before the thread's first task of the call.
   void (*bf16_panel)(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
                      const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch);
   int64_t tile_rows;  // rows of its register tile: the driver's unit of work (panel_runs.h)
+  int64_t (*scratch_bytes)(int64_t in_features);  // what `scratch` must hold
+  int64_t run_rows;  // rows of one call at most (a multiple of tile_rows)
 };
 
 }  // namespace contbatch::cpu

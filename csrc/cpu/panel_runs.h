@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "linear_kernel_api.h"
+
 namespace contbatch {
 
 // rows [row0, row0 + rows) of one panel, in one kernel call.
@@ -25,9 +27,8 @@ struct PanelRun {
   int64_t rows;
 };
 
-// Rows per kernel call at most: a panel's weights (64 columns x in_features) stay in L2
-// across a thread's consecutive calls on it.
-constexpr int64_t kMaxPanelRunRows = 48;
+// Rows per kernel call at most, unless a kernel says otherwise (cpu::LinearKernels::run_rows).
+constexpr int64_t kMaxPanelRunRows = cpu::kVectorRunRows;
 
 // `bytes` (at least 64) of 64-byte aligned memory private to the calling thread, kept and
 // grown across calls: one buffer per Owner type, so two users on one thread never share it.
@@ -42,14 +43,15 @@ char* thread_buffer(int64_t bytes) {
 }
 
 // Runs every panel x row tile of a call on the thread pool: each thread calls run(PanelRun,
-// scratch) over its range in order, at most kMaxPanelRunRows rows a call. `scratch`:
+// scratch) over its range in order, at most max_run_rows rows a call. `scratch`:
 // scratch_bytes, 64-byte aligned, private to the thread and kept across calls, its first 64
 // bytes (the kernels' header: which panel the scratch holds widened) zeroed before the
 // thread's first run of the call.
 template <class Run>
-void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run) {
+void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run,
+                    int64_t max_run_rows = kMaxPanelRunRows) {
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;  // per panel
-  const int64_t max_run_tiles = std::max<int64_t>(1, kMaxPanelRunRows / tile_rows);
+  const int64_t max_run_tiles = std::max<int64_t>(1, max_run_rows / tile_rows);
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
     char* scratch = thread_buffer<Run>(scratch_bytes);
     std::memset(scratch, 0, 64);

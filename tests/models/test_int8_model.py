@@ -13,7 +13,7 @@ from torch import nn
 
 from contbatch import LLM, SamplingParams, ops
 from contbatch.ops import int8_blocks
-from tests.ops.paged_batch import int8_kernel_params, isa_params
+from tests.ops.paged_batch import AMX_INT8, int8_kernel_params, isa_params, use_int8_kernel
 
 # fp32 sums in another order flip some activations' rounding to the neighbouring int8 value:
 # one step is up to 1/254 of its block's largest value, about bf16's rounding step (1/256),
@@ -109,7 +109,7 @@ def test_int8_greedy_tokens_are_fake_quant_hf_argmax(batched, isa, smollm_dir, f
 def test_int8_greedy_tokens_on_every_int8_kernel(kernel, smollm_dir, fake_quant_hf):
     """Each int8 kernel this CPU has (a tier runs one: AVX-VNNI's hides AVX2's where both run),
     ten requests together, under the best tier."""
-    with ops.use_int8_kernel(kernel):
+    with use_int8_kernel(kernel):
         llm = LLM(smollm_dir, dtype="float32", quantization="int8", max_model_len=256)
         block = ops.int8_weight_block()
         prompt_ids = _prompts(llm, 10)
@@ -211,8 +211,8 @@ def test_weights_are_quantized_in_the_block_their_kernel_runs_fastest(kernel, ti
     """64-input blocks under the AVX-512 VNNI kernel, Q8_0's 32 under the others (README,
     "8-bit weights"); a job's settings name the size, and the head and the lookup table share
     it."""
-    expected = 64 if kernel == "avx512_vnni" else 32
-    with ops.use_int8_kernel(kernel):
+    expected = 64 if kernel in ("avx512_vnni", AMX_INT8) else 32
+    with use_int8_kernel(kernel):
         llm = LLM(tiny_model_dirs["llama"], device="cpu", skip_tokenizer_init=True, max_model_len=64,
                   quantization="int8", quantize_embeddings=True)
     described = llm.engine.quantization.describe()  # as loaded, whichever kernel runs now

@@ -4,10 +4,9 @@ int8; and the models and steps it leaves to the Python layers. (The HF oracle te
 tests/test_generate_oracle.py run on it too, since it is the default.)"""
 
 import pytest
-import torch
 
 from contbatch import LLM, SamplingParams, ops
-from contbatch.layers import dense_prefill, linear
+from contbatch.layers import dense_prefill
 from contbatch.models import native_decoder
 from contbatch.models.llama import DecoderLayer
 from tests.conftest import TINY_CONFIGS, save_random_model
@@ -54,20 +53,6 @@ def test_native_decoder_equals_python_layers(arch, setting, norm_model_dirs, phi
     kwargs = dict(SETTINGS[setting], max_model_len=192)
     native = _generate(model_dir, monkeypatch, True, prompts, max_tokens, **kwargs)
     python = _generate(model_dir, monkeypatch, False, prompts, max_tokens, **kwargs)
-    assert native == python
-
-
-def test_native_decoder_routes_rows_between_the_two_bf16_layouts_as_the_modules_do(norm_model_dirs, monkeypatch):
-    """On AMX CPUs a bf16 projection keeps panels and oneDNN's layout and picks by rows; the
-    stack must pick as packed_linear does. Forced here so that CPUs without AMX whose oneDNN
-    does bf16 test it too (steps of 1 to 32 rows fall on both sides of AMX_MIN_ROWS)."""
-    if not linear.onednn_can_pack(torch.empty(1, dtype=torch.bfloat16)):
-        pytest.skip("oneDNN has no bf16 linear on this CPU (needs AVX-512 or AVX-NE-CONVERT)")
-    monkeypatch.setattr(linear.ops, "amx_bf16_matmuls", lambda: True)
-    prompts, max_tokens = _tiny_prompts()
-    kwargs = dict(dtype="bfloat16", max_model_len=192)
-    native = _generate(norm_model_dirs["llama"], monkeypatch, True, prompts, max_tokens, **kwargs)
-    python = _generate(norm_model_dirs["llama"], monkeypatch, False, prompts, max_tokens, **kwargs)
     assert native == python
 
 

@@ -31,13 +31,43 @@ def isa_params() -> list:
 SUPPORTED_INT8_KERNELS = tuple(ops.supported_int8_kernels())
 
 
+def _amx_int8_runs_here() -> bool:
+    if "avx512" not in SUPPORTED_ISAS or "avx512_vnni" not in SUPPORTED_INT8_KERNELS:
+        return False
+    before = ops.set_amx_matmuls(True)
+    try:
+        with ops.use_cpu_isa("avx512"):
+            return ops.amx_int8_matmuls()
+    finally:
+        ops.set_amx_matmuls(before)
+
+
+AMX_INT8 = "avx512_vnni+amx"
+"""The int8 parameter for the VNNI kernel with AMX taking its calls of many rows."""
+AMX_INT8_HERE = _amx_int8_runs_here()
+
+
 def int8_kernel_params() -> list:
-    """Every int8 kernel as a pytest parameter; those this CPU or build lacks are skipped, saying so."""
+    """Every int8 kernel as a pytest parameter, each with the AMX kernel switched off, and
+    AMX_INT8; those this CPU or build lacks are skipped, saying so."""
     return [
         pytest.param(kernel, marks=pytest.mark.skipif(kernel not in SUPPORTED_INT8_KERNELS,
                                                       reason=f"this CPU or build cannot run the {kernel} int8 kernel"))
         for kernel in ops.INT8_KERNELS
-    ]
+    ] + [pytest.param(AMX_INT8, marks=pytest.mark.skipif(
+        not AMX_INT8_HERE, reason="this CPU (or its VM) exposes no AMX-INT8, or the OS refused the tile registers"))]
+
+
+@contextmanager
+def use_int8_kernel(kernel: str):
+    """Runs the block on int8 kernel ``kernel`` (an int8_kernel_params value): AMX_INT8 is the
+    VNNI kernel with AMX on, every other kernel runs with AMX off."""
+    before = ops.set_amx_matmuls(kernel == AMX_INT8)
+    try:
+        with ops.use_int8_kernel("avx512_vnni" if kernel == AMX_INT8 else kernel):
+            yield
+    finally:
+        ops.set_amx_matmuls(before)
 
 
 def device_params() -> list:

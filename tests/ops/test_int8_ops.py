@@ -1,6 +1,7 @@
 """The int8 ops (csrc/cpu/int8_*) against the PyTorch reference (contbatch/ops/int8_blocks.py)
 on every int8 kernel this CPU runs (ops.use_int8_kernel: AVX-512 VNNI, AVX-VNNI, AVX2's
-vpmaddwd, portable C++), and the rule that picks one for each ISA tier:
+vpmaddwd, portable C++; each with AMX off, and the VNNI kernel with AMX taking its calls of
+16 rows or more where the CPU has AMX-INT8), and the rule that picks one for each ISA tier:
 
 Each in both block sizes the kernels serve (32 inputs: a GGUF file's Q8_0; 64: what
 contbatch quantizes with):
@@ -24,7 +25,7 @@ from hypothesis import given, settings
 from contbatch import ops
 from contbatch.ops import int8_blocks, reference
 from contbatch.ops.int8_blocks import BLOCK_SIZES, Int8Blocks, pack_int8, quantize_weight, unpack_int8
-from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, cpu_isa, int8_kernel_params, require_native
+from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, cpu_isa, int8_kernel_params, require_native, use_int8_kernel
 
 require_native()
 
@@ -36,7 +37,7 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
     packed = pack_int8(weight)
     out = torch.full((x.values.shape[0], packed.out_features), float("nan"), dtype=dtype)
     inputs = x.values.clone()
-    with ops.use_int8_kernel(kernel):
+    with use_int8_kernel(kernel):
         native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias)
     assert not out.isnan().any(), "an output element was never written"
     # The op stages what its kernel reads (int16 copies on AVX2, the block offsets) beside its argument.
@@ -53,7 +54,7 @@ def test_quantize_rows_equals_reference(kernel, dtype, block, rows, in_features,
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, in_features, generator=g) * 3).to(dtype)
     x[0, : min(in_features, block)] = 0  # an all-zero block: scale 0, values 0
-    with ops.use_int8_kernel(kernel):
+    with use_int8_kernel(kernel):
         values, scales = native.int8_quantize_rows(x, block)
     expected = int8_blocks.quantize_activations(x, block)
     assert values.shape[1] % block == 0 and scales.shape[1] == values.shape[1] // block
@@ -109,7 +110,7 @@ def test_linear_matches_reference(kernel, dtype, block, rows, out_features, in_f
     # The fused op the layers call: the same quantization (bit for bit, above) and kernel.
     packed = pack_int8(weight)
     fused = torch.full_like(ours, float("nan"))
-    with ops.use_int8_kernel(kernel):
+    with use_int8_kernel(kernel):
         native.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
     assert torch.equal(fused, ours)
     reference.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
@@ -143,7 +144,7 @@ def test_fused_op_stages_small_and_large_calls_alike(kernel):
         x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
         x_blocks = int8_blocks.quantize_activations(x, 64)
         fused = torch.full((rows, 70), float("nan"), dtype=torch.bfloat16)
-        with ops.use_int8_kernel(kernel):
+        with use_int8_kernel(kernel):
             native.int8_quantize_linear(fused, x, packed.values, packed.scales, None)
         assert torch.equal(fused, _linear(x_blocks, weight, None, torch.bfloat16, kernel)), f"{rows} rows"
         expected = int8_blocks.int8_linear_reference(x_blocks, weight, None)

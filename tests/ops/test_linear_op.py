@@ -1,13 +1,21 @@
 """The bf16 linear op (csrc/cpu/linear*.{cpp,h}) against its PyTorch reference on random
 shapes: row counts around the 6-row register tile and the 48-row task, output counts
 around the 64-column panel, odd and even input counts, with and without bias, every ISA
-tier this CPU runs. The two sum in a different order, so they agree to one bf16 rounding step."""
+tier this CPU runs (with the AMX kernel off), and on CPUs with AMX the AMX kernel
+(csrc/cpu/linear_amx_kernel.h) on its own shapes. The two sum in a different order, so they
+agree to one bf16 rounding step."""
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 
+from contbatch import ops
 from contbatch.ops import reference
 from contbatch.ops.panel_layout import PANEL_COLUMNS, pack_panels, unpack_panels
 from tests.ops.paged_batch import cpu_isa, isa_params, require_native
@@ -21,13 +29,35 @@ def _random(shape, generator, scale=1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=generator) * scale).to(torch.bfloat16)
 
 
-def _run_both(x, weight, bias, isa):
+@contextmanager
+def amx(on: bool):
+    """Runs the block with the AMX kernel switched on or off (off: the tier's own kernel)."""
+    before = ops.set_amx_matmuls(on)
+    try:
+        yield
+    finally:
+        ops.set_amx_matmuls(before)
+
+
+def _amx_runs_here() -> bool:
+    if "avx512" not in ops.supported_cpu_isas():
+        return False
+    with cpu_isa("avx512"), amx(True):
+        return ops.amx_bf16_matmuls()
+
+
+AMX_HERE = _amx_runs_here()
+amx_only = pytest.mark.skipif(not AMX_HERE, reason="this CPU (or its VM) exposes no AMX-BF16, or the OS refused "
+                                                   "the tile registers, or the build lacks the AMX kernel")
+
+
+def _run_both(x, weight, bias, isa, use_amx=False):
     packed = pack_panels(weight)
     rows, out_features = x.shape[0], weight.shape[0]
     ours = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
     expected = torch.empty(rows, out_features, dtype=torch.bfloat16)
     reference.bf16_linear(expected, x, packed, bias)
-    with cpu_isa(isa):
+    with cpu_isa(isa), amx(use_amx):
         native.bf16_linear(ours, x, packed, bias)
     return ours, expected
 
@@ -72,6 +102,45 @@ def test_bf16_linear_reads_strided_rows(isa):
     x = wide[:, 10:74]  # rows 100 elements apart
     ours, expected = _run_both(x, weight, None, isa)
     assert_within_one_rounding(ours, expected, 64)
+
+
+@amx_only
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(5, 300),
+    out_features=st.integers(1, 200),
+    in_features=st.integers(1, 40).map(lambda tiles: 32 * tiles),
+    with_bias=st.booleans(),
+    row_gap=st.sampled_from([0, 32]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_amx_bf16_linear_matches_reference(rows, out_features, in_features, with_bias, row_gap, seed):
+    """Calls the AMX kernel takes (5 rows or more, inputs a multiple of 32): blocks of up to
+    16 rows and of 32, a partial last block (zero-padded), calls past its 256-row run, inputs
+    past its 512-input pass, partial panels, and rows `row_gap` elements apart beyond their end."""
+    g = torch.Generator().manual_seed(seed)
+    wide = _random((rows, in_features + row_gap), g)
+    x, weight = wide[:, :in_features], _random((out_features, in_features), g, 0.2)
+    bias = _random((out_features,), g) if with_bias else None
+    ours, expected = _run_both(x, weight, bias, "avx512", use_amx=True)
+    assert_within_one_rounding(ours, expected, in_features)
+
+
+def test_amx_runs_where_the_cpu_has_it():
+    """On with AMX-TILE and AMX-BF16 (and an AVX-512 tier), off below the AVX-512 tiers, and
+    CONTBATCH_AMX=0 at import switches it off."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
+    assert AMX_HERE == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= flags)
+    below = [isa for isa in ops.supported_cpu_isas() if isa in ("generic", "avx2")]
+    with cpu_isa(below[-1]), amx(True):
+        assert not ops.amx_bf16_matmuls(), "a forced lower tier keeps bf16 linears on its own kernel"
+    with amx(False):
+        assert not ops.amx_bf16_matmuls()
+    env = {**os.environ, "CONTBATCH_AMX": "0"}
+    probe = "from contbatch import ops; print(ops.amx_bf16_matmuls())"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,0 +1,14 @@
+// The int8 linear kernel on AMX tiles (int8_amx_kernel.h): Sapphire Rapids and later Xeons,
+// called by int8_linear.cpp for calls of many rows where cpu_isa.h's amx_int8_linear_kernels()
+// says AMX is on. GCC 11 is the first with AMX intrinsics.
+#define CONTBATCH_AVX512_BF16 1
+#define CONTBATCH_TIER_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-int8"
+#define CONTBATCH_TIER_SIMD "simd_avx512.h"
+#define CONTBATCH_TIER_NAME "amx"
+#define CONTBATCH_TIER_GETTER int8_amx_kernels
+#define CONTBATCH_TIER_BODY "int8_amx_kernel.h"
+#define CONTBATCH_TIER_TABLE Int8Kernels
+#if defined(__GNUC__) && __GNUC__ < 11
+#define CONTBATCH_TIER_UNAVAILABLE 1
+#endif
+#include "kernels_x86_tier.h"
