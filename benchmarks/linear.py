@@ -79,11 +79,8 @@ def without_amx(step):
     run, nbytes = step
 
     def run_on_the_vector_kernel(inputs: dict[int, torch.Tensor]) -> None:
-        before = ops.set_amx_matmuls(False)
-        try:
+        with ops.use_amx_matmuls(False):
             run(inputs)
-        finally:
-            ops.set_amx_matmuls(before)
 
     return run_on_the_vector_kernel, nbytes
 

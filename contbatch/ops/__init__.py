@@ -155,6 +155,17 @@ def set_amx_matmuls(on: bool) -> bool:
     return bool(_native.set_amx_linears(on))
 
 
+@contextmanager
+def use_amx_matmuls(on: bool) -> Iterator[None]:
+    """Runs the block with the AMX kernels switched on or off, then restores the setting:
+    how tests and benchmarks compare AMX with the vector kernels in one process."""
+    before = set_amx_matmuls(on)
+    try:
+        yield
+    finally:
+        set_amx_matmuls(before)
+
+
 def bf16_linear_available() -> bool:
     """Whether ``bf16_linear`` has a compiled kernel: every ISA tier has one, so bf16
     weights take its panel layout wherever the extension is built."""
@@ -222,6 +233,7 @@ __all__ = [
     "bf16_linear",
     "amx_bf16_matmuls",
     "set_amx_matmuls",
+    "use_amx_matmuls",
     "amx_int8_matmuls",
     "bf16_linear_available",
     "int8_quantize_rows",

@@ -4,8 +4,11 @@
 // Included after simd_avx512.h inside an AMX TU's target region.
 #pragma once
 
+#include "layers_kernel.h"
+
 constexpr int64_t kAmxTileRows = 16;        // rows of any tile (palette 1)
-constexpr int64_t kAmxPanelRowBytes = 256;  // a panel's pair row (bf16) or quad row (int8)
+constexpr int64_t kAmxPanelColumns = 64;    // columns of a bf16 or int8 panel
+constexpr int64_t kAmxPanelRowBytes = kAmxPanelColumns * 4;  // a panel's pair row (bf16) or quad row (int8)
 
 struct alignas(64) AmxTileConfig {
   uint8_t palette = 1;
@@ -64,4 +67,44 @@ inline void store_sum_tiles(void* sums) {
   _tile_stored(1, bytes + 64, 256);
   _tile_stored(2, bytes + 128, 256);
   _tile_stored(3, bytes + 192, 256);
+}
+
+// Scratch header of an AMX kernel: which rows `padded` holds. The driver zeroes it before a
+// thread's first call of an op, so the rows copied for one panel serve the thread's next.
+struct AmxPaddedRows {
+  const void* from;
+  int64_t rows;
+};
+
+// `rows` (< to_rows) rows of row_bytes at x (x_stride bytes apart) copied to `padded` and
+// zero-padded to to_rows rows (a tile load reads 16 rows: never past the inputs), unless
+// `header` says they are there already.
+inline const char* padded_rows(AmxPaddedRows* header, char* padded, const void* x, int64_t x_stride, int64_t rows,
+                               int64_t row_bytes, int64_t to_rows) {
+  if (header->from != x || header->rows != rows) {
+    const char* source = static_cast<const char*>(x);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded + r * row_bytes, source + r * x_stride, row_bytes);
+    std::memset(padded + rows * row_bytes, 0, (to_rows - rows) * row_bytes);
+    header->from = x;
+    header->rows = rows;
+  }
+  return padded;
+}
+
+// out[rows, columns] = T(sums + bias), sums' rows a panel's columns apart; rounded
+// as the vector kernels round (to nearest even).
+template <class T>
+inline void store_sum_rows(const float* sums, int64_t rows, const T* bias, T* out, int64_t out_stride,
+                           int64_t columns) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row_sums = sums + m * kAmxPanelColumns;
+    T* row_out = out + m * out_stride;
+    if (columns == kAmxPanelColumns) {
+      for (int64_t c = 0; c < kAmxPanelColumns; c += kLanes) {
+        vstore(row_out + c, bias == nullptr ? vload(row_sums + c) : vadd(vload(row_sums + c), vload(bias + c)));
+      }
+    } else {  // a partial last panel
+      for (int64_t c = 0; c < columns; ++c) store1(row_out + c, row_sums[c] + (bias == nullptr ? 0.0f : load1(bias[c])));
+    }
+  }
 }

@@ -146,24 +146,22 @@ std::atomic<bool>& amx_switched_on() {
   return on;
 }
 
-}  // namespace
-
-bool amx_linears_supported() {
-  static const bool supported = cpu_has_amx_bf16() && amx_bf16_linear_kernels() != nullptr && tile_data_permitted();
-  return supported;
+// Whether an AMX kernel runs now: the CPU and build can (`supported`, worked out once by the
+// caller), AMX is switched on, and an AVX-512 tier runs.
+bool amx_runs(bool supported) {
+  return supported && amx_switched_on().load(std::memory_order_relaxed) && avx512_tier_runs();
 }
 
+}  // namespace
+
 const LinearKernels* amx_linear_kernels() {
-  if (!amx_switched_on().load(std::memory_order_relaxed) || !amx_linears_supported() || !avx512_tier_runs()) {
-    return nullptr;
-  }
-  return amx_bf16_linear_kernels();
+  static const bool supported = cpu_has_amx_bf16() && amx_bf16_linear_kernels() != nullptr && tile_data_permitted();
+  return amx_runs(supported) ? amx_bf16_linear_kernels() : nullptr;
 }
 
 const Int8Kernels* amx_int8_linear_kernels() {
   static const bool supported = cpu_has_amx_int8() && int8_amx_kernels() != nullptr && tile_data_permitted();
-  if (!amx_switched_on().load(std::memory_order_relaxed) || !supported || !avx512_tier_runs()) return nullptr;
-  return int8_amx_kernels();
+  return amx_runs(supported) ? int8_amx_kernels() : nullptr;
 }
 
 bool set_amx_linears(bool on) { return amx_switched_on().exchange(on); }

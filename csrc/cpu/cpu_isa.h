@@ -34,8 +34,6 @@ const LinearKernels* amx_linear_kernels();
 // The AMX int8 linear kernel (int8_amx_kernel.h) where it runs now: as amx_linear_kernels,
 // with AMX-INT8.
 const Int8Kernels* amx_int8_linear_kernels();
-// Whether this CPU and build can run the AMX bf16 kernel at all.
-bool amx_linears_supported();
 // Switches the AMX kernels (bf16 and int8) on or off (CONTBATCH_AMX=0, read by contbatch.ops at import);
 // returns the setting before. On where the CPU lacks AMX changes nothing.
 bool set_amx_linears(bool on);

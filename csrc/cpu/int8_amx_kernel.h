@@ -18,14 +18,13 @@
 #pragma once
 
 #include "amx_tiles.h"
-#include "layers_kernel.h"
 
 constexpr int64_t kAmxBlockBytes = kInt8WideBlock / 4 * kAmxPanelRowBytes;  // a block of a panel: 16 quad rows
 // Rows a call at most: the panel (from L2 after the first 16 rows) against 16 tiles of rows.
 constexpr int64_t kAmxInt8RunRows = 16 * kAmxTileRows;
 
-// Scratch after the header: the fp32 sums of a 16-row tile (16 x 64), the int32 sums of a
-// block (16 x 64), and the last tile's rows zero-padded to 16 when it has fewer.
+// Scratch after the header (AmxPaddedRows): the fp32 sums of a 16-row tile (16 x 64), the
+// int32 sums of a block (16 x 64), and the last tile's rows zero-padded to 16 when it has fewer.
 constexpr int64_t kAmxSumsBytes = kAmxTileRows * kInt8PanelColumns * 4;
 inline int64_t amx_int8_scratch_bytes(int64_t padded_inputs) {
   return kInt8ScratchHeader + 2 * kAmxSumsBytes + kAmxTileRows * padded_inputs;
@@ -58,17 +57,7 @@ void amx_int8_rows16(const int8_t* x, int64_t x_stride, const float* x_scales, c
     store_sum_tiles(block_sums);
     add_block(block_sums, x_offsets + b, x_scales + b, blocks, rows, scales + b * kInt8PanelColumns, sums);
   }
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* row_sums = sums + m * kInt8PanelColumns;
-    T* row_out = out + m * out_stride;
-    if (columns == kInt8PanelColumns) {
-      for (int64_t c = 0; c < kInt8PanelColumns; c += kLanes) {
-        vstore(row_out + c, bias == nullptr ? vload(row_sums + c) : vadd(vload(row_sums + c), vload(bias + c)));
-      }
-    } else {  // a partial last panel
-      for (int64_t c = 0; c < columns; ++c) store1(row_out + c, row_sums[c] + (bias == nullptr ? 0.0f : load1(bias[c])));
-    }
-  }
+  store_sum_rows(sums, rows, bias, out, out_stride, columns);
 }
 
 // The Int8TypedKernels::panel of this kernel; block_inputs must be kInt8WideBlock (the
@@ -81,16 +70,15 @@ void amx_int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, co
   char* bytes = static_cast<char*>(scratch) + kInt8ScratchHeader;
   auto* sums = reinterpret_cast<float*>(bytes);
   auto* block_sums = reinterpret_cast<int32_t*>(bytes + kAmxSumsBytes);
-  auto* padded = reinterpret_cast<int8_t*>(bytes + 2 * kAmxSumsBytes);
+  char* padded = bytes + 2 * kAmxSumsBytes;
   const int64_t row_inputs = blocks * kInt8WideBlock;
   for (int64_t r0 = 0; r0 < rows; r0 += kAmxTileRows) {
     const int64_t n = rows - r0 < kAmxTileRows ? rows - r0 : kAmxTileRows;
     const int8_t* tile_x = x + r0 * x_stride;
     int64_t tile_stride = x_stride;
-    if (n < kAmxTileRows) {  // a tile load reads 16 rows: pad, rather than read past the inputs
-      for (int64_t m = 0; m < n; ++m) std::memcpy(padded + m * row_inputs, tile_x + m * x_stride, row_inputs);
-      std::memset(padded + n * row_inputs, 0, (kAmxTileRows - n) * row_inputs);
-      tile_x = padded;
+    if (n < kAmxTileRows) {
+      tile_x = reinterpret_cast<const int8_t*>(padded_rows(static_cast<AmxPaddedRows*>(scratch), padded, tile_x,
+                                                           x_stride, n, row_inputs, kAmxTileRows));
       tile_stride = row_inputs;
     }
     amx_int8_rows16(tile_x, tile_stride, x_scales + r0 * blocks, x_offsets + r0 * blocks, n, blocks, values, scales,

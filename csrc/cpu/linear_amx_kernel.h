@@ -23,14 +23,9 @@
 
 constexpr int64_t kAmxInputs = 32;     // inputs a tile multiplies at once (16 pair rows)
 constexpr int64_t kAmxBlockRows = 32;  // rows of the larger blocks: the driver's unit
-constexpr int64_t kPairRowBytes = kPanelColumns * 2 * 2;
 
-// Scratch: the header (which input block `padded` holds), the fp32 sums of a block, and a
-// block's rows copied and zero-padded to 32 when it has fewer (a tile load reads 16 rows).
-struct AmxScratch {
-  const uint16_t* padded_from;
-  int64_t padded_rows;
-};
+// Scratch: the header (AmxPaddedRows), the fp32 sums of a call, and a block's rows copied
+// and zero-padded to 32 when it has fewer.
 // Rows a call at most: 8 blocks of 32, each reading a pass's weight tiles from L1.
 constexpr int64_t kAmxRunRows = 8 * kAmxBlockRows;
 constexpr int64_t kAmxSumsBytes = kAmxRunRows * kPanelColumns * 4;
@@ -38,26 +33,19 @@ inline int64_t amx_scratch_bytes(int64_t in_features) {
   return kLinearScratchHeader + kAmxSumsBytes + kAmxBlockRows * in_features * 2;
 }
 
-// A block of `rows` (< 32) rows from x, zero-padded to 32 rows of in_features, kept while
-// the thread's next panels take the same rows.
+// A block of `rows` (< 32) rows from x, zero-padded to 32 rows of in_features.
 inline const uint16_t* padded_block(void* scratch, const uint16_t* x, int64_t x_stride, int64_t rows,
                                     int64_t in_features) {
-  auto* header = static_cast<AmxScratch*>(scratch);
-  auto* padded = reinterpret_cast<uint16_t*>(static_cast<char*>(scratch) + kLinearScratchHeader + kAmxSumsBytes);
-  if (header->padded_from != x || header->padded_rows != rows) {
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded + r * in_features, x + r * x_stride, in_features * 2);
-    std::memset(padded + rows * in_features, 0, (kAmxBlockRows - rows) * in_features * 2);
-    header->padded_from = x;
-    header->padded_rows = rows;
-  }
-  return padded;
+  char* padded = static_cast<char*>(scratch) + kLinearScratchHeader + kAmxSumsBytes;
+  return reinterpret_cast<const uint16_t*>(padded_rows(static_cast<AmxPaddedRows*>(scratch), padded, x, x_stride * 2,
+                                                       rows, in_features * 2, kAmxBlockRows));
 }
 
 // sums[16][64] (row stride 64 floats) for 16 rows of inputs at x against all 64 columns.
 inline void sum_rows16(const uint16_t* x, int64_t x_stride, int64_t in_features, const uint16_t* panel, float* sums) {
   zero_sum_tiles();
   const char* weights = reinterpret_cast<const char*>(panel);
-  for (int64_t k = 0; k < in_features; k += kAmxInputs, weights += kAmxInputs / 2 * kPairRowBytes) {
+  for (int64_t k = 0; k < in_features; k += kAmxInputs, weights += kAmxInputs / 2 * kAmxPanelRowBytes) {
     amx_rows16_step<false>(x + k, x_stride * 2, weights);
   }
   store_sum_tiles(sums);
@@ -82,8 +70,8 @@ inline void sum_row_blocks(const uint16_t* x, int64_t x_stride, int64_t rows, in
   const int64_t pass_inputs = inputs_per_pass(in_features);
   // The panel after this one (the thread's next call, most often) goes into L2 while this
   // one is multiplied: its lines spread evenly over this call's tile steps.
-  const char* next_panel = reinterpret_cast<const char*>(panel) + in_features / 2 * kPairRowBytes;
-  const int64_t next_lines = in_features / 2 * kPairRowBytes / 64;
+  const char* next_panel = reinterpret_cast<const char*>(panel) + in_features / 2 * kAmxPanelRowBytes;
+  const int64_t next_lines = in_features / 2 * kAmxPanelRowBytes / 64;
   const int64_t steps = rows / kAmxBlockRows * (columns > 32 ? 2 : 1) * (in_features / kAmxInputs);
   if (steps == 0) return;
   const int64_t lines_per_step = (next_lines + steps - 1) / steps;
@@ -91,7 +79,7 @@ inline void sum_row_blocks(const uint16_t* x, int64_t x_stride, int64_t rows, in
   for (int64_t k0 = 0; k0 < in_features; k0 += pass_inputs) {
     const int64_t k1 = k0 + pass_inputs < in_features ? k0 + pass_inputs : in_features;
     for (int64_t half = 0; half * 32 < columns; ++half) {
-      const char* pass_weights = reinterpret_cast<const char*>(panel) + k0 / 2 * kPairRowBytes + half * 128;
+      const char* pass_weights = reinterpret_cast<const char*>(panel) + k0 / 2 * kAmxPanelRowBytes + half * 128;
       for (int64_t r0 = 0; r0 < rows; r0 += kAmxBlockRows) {
         float* block_sums = sums + r0 * kPanelColumns + half * 32;
         float* lower_sums = block_sums + kAmxTileRows * kPanelColumns;
@@ -106,13 +94,13 @@ inline void sum_row_blocks(const uint16_t* x, int64_t x_stride, int64_t rows, in
         const uint16_t* upper = x + r0 * x_stride;
         const uint16_t* lower = upper + kAmxTileRows * x_stride;
         const char* weights = pass_weights;
-        for (int64_t k = k0; k < k1; k += kAmxInputs, weights += kAmxInputs / 2 * kPairRowBytes) {
+        for (int64_t k = k0; k < k1; k += kAmxInputs, weights += kAmxInputs / 2 * kAmxPanelRowBytes) {
           for (int64_t l = 0; l < lines_per_step && next_line < next_lines; ++l, ++next_line) {
             _mm_prefetch(next_panel + next_line * 64, _MM_HINT_T1);
           }
           _tile_loadd(4, upper + k, x_stride * 2);
-          _tile_loadd(6, weights, kPairRowBytes);
-          _tile_loadd(7, weights + 64, kPairRowBytes);
+          _tile_loadd(6, weights, kAmxPanelRowBytes);
+          _tile_loadd(7, weights + 64, kAmxPanelRowBytes);
           _tile_loadd(5, lower + k, x_stride * 2);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
@@ -124,23 +112,6 @@ inline void sum_row_blocks(const uint16_t* x, int64_t x_stride, int64_t rows, in
         _tile_stored(2, lower_sums, kSumStride);
         _tile_stored(3, lower_sums + 16, kSumStride);
       }
-    }
-  }
-}
-
-// out[rows, columns] = bf16(sums + bias), sums' rows 64 floats apart.
-inline void store_sums(const float* sums, int64_t rows, const uint16_t* bias, uint16_t* out, int64_t out_stride,
-                       int64_t columns) {
-  for (int64_t c = 0; c < columns; c += kLanes) {
-    const int64_t width = columns - c < kLanes ? columns - c : kLanes;
-    const Mask16 lanes = static_cast<Mask16>((1u << width) - 1);
-    const Vec16 b = bias == nullptr ? vzero()
-                                    : _mm512_castsi512_ps(_mm512_slli_epi32(
-                                          _mm512_maskz_cvtepu16_epi32(lanes, _mm256_maskz_loadu_epi16(lanes, bias + c)),
-                                          16));
-    for (int64_t r = 0; r < rows; ++r) {
-      const Vec16 v = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + r * kPanelColumns + c), b);
-      _mm256_mask_storeu_epi16(out + r * out_stride + c, lanes, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
     }
   }
 }
@@ -172,7 +143,7 @@ void amx_bf16_panel(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t i
     }
   }
   _tile_release();
-  store_sums(sums, rows, bias, out, out_stride, columns);
+  store_sum_rows(sums, rows, bias, out, out_stride, columns);
 }
 
 constexpr LinearKernels kTierTable{&amx_bf16_panel, kAmxBlockRows, &amx_scratch_bytes, kAmxRunRows};

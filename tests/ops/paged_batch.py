@@ -34,12 +34,8 @@ SUPPORTED_INT8_KERNELS = tuple(ops.supported_int8_kernels())
 def _amx_int8_runs_here() -> bool:
     if "avx512" not in SUPPORTED_ISAS or "avx512_vnni" not in SUPPORTED_INT8_KERNELS:
         return False
-    before = ops.set_amx_matmuls(True)
-    try:
-        with ops.use_cpu_isa("avx512"):
-            return ops.amx_int8_matmuls()
-    finally:
-        ops.set_amx_matmuls(before)
+    with ops.use_cpu_isa("avx512"), ops.use_amx_matmuls(True):
+        return ops.amx_int8_matmuls()
 
 
 AMX_INT8 = "avx512_vnni+amx"
@@ -62,12 +58,8 @@ def int8_kernel_params() -> list:
 def use_int8_kernel(kernel: str):
     """Runs the block on int8 kernel ``kernel`` (an int8_kernel_params value): AMX_INT8 is the
     VNNI kernel with AMX on, every other kernel runs with AMX off."""
-    before = ops.set_amx_matmuls(kernel == AMX_INT8)
-    try:
-        with ops.use_int8_kernel("avx512_vnni" if kernel == AMX_INT8 else kernel):
-            yield
-    finally:
-        ops.set_amx_matmuls(before)
+    with ops.use_amx_matmuls(kernel == AMX_INT8), ops.use_int8_kernel("avx512_vnni" if kernel == AMX_INT8 else kernel):
+        yield
 
 
 def device_params() -> list:

@@ -8,7 +8,6 @@ agree to one bf16 rounding step."""
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import hypothesis.strategies as st
 import pytest
@@ -29,20 +28,10 @@ def _random(shape, generator, scale=1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=generator) * scale).to(torch.bfloat16)
 
 
-@contextmanager
-def amx(on: bool):
-    """Runs the block with the AMX kernel switched on or off (off: the tier's own kernel)."""
-    before = ops.set_amx_matmuls(on)
-    try:
-        yield
-    finally:
-        ops.set_amx_matmuls(before)
-
-
 def _amx_runs_here() -> bool:
     if "avx512" not in ops.supported_cpu_isas():
         return False
-    with cpu_isa("avx512"), amx(True):
+    with cpu_isa("avx512"), ops.use_amx_matmuls(True):
         return ops.amx_bf16_matmuls()
 
 
@@ -57,7 +46,7 @@ def _run_both(x, weight, bias, isa, use_amx=False):
     ours = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
     expected = torch.empty(rows, out_features, dtype=torch.bfloat16)
     reference.bf16_linear(expected, x, packed, bias)
-    with cpu_isa(isa), amx(use_amx):
+    with cpu_isa(isa), ops.use_amx_matmuls(use_amx):
         native.bf16_linear(ours, x, packed, bias)
     return ours, expected
 
@@ -133,9 +122,9 @@ def test_amx_runs_where_the_cpu_has_it():
         flags = set(next((line for line in cpuinfo if line.startswith("flags")), "").split())
     assert AMX_HERE == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= flags)
     below = [isa for isa in ops.supported_cpu_isas() if isa in ("generic", "avx2")]
-    with cpu_isa(below[-1]), amx(True):
+    with cpu_isa(below[-1]), ops.use_amx_matmuls(True):
         assert not ops.amx_bf16_matmuls(), "a forced lower tier keeps bf16 linears on its own kernel"
-    with amx(False):
+    with ops.use_amx_matmuls(False):
         assert not ops.amx_bf16_matmuls()
     env = {**os.environ, "CONTBATCH_AMX": "0"}
     probe = "from contbatch import ops; print(ops.amx_bf16_matmuls())"
