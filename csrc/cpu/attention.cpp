@@ -16,8 +16,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -105,6 +108,21 @@ void plan_items(Plan& plan, const at::Tensor& query, const at::Tensor& key_cache
 // Query rows an item attends, over all its kv heads.
 int64_t item_rows(const WorkItem& w) { return int64_t(w.num_kv_heads) * w.num_heads * w.num_queries; }
 
+// The threads split-K plans for: the CPUs this process may run on, not the threads running
+// now. A split changes the order of a row's sums, and the engine changes the thread count
+// with the machine's load (contbatch/engine/threads.py): planned for the threads of the
+// moment, a greedy token could change with how busy the machine was.
+int64_t planned_threads() {
+  static const int64_t cpus = [] {
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<int64_t>(CPU_COUNT(&set));
+#endif
+    return static_cast<int64_t>(std::thread::hardware_concurrency());
+  }();
+  return std::max<int64_t>(cpus, 1);
+}
+
 // Split-K when there are too few items for the threads; the tasks of one item stay adjacent.
 void split_key_ranges(Plan& plan, int64_t threads, int64_t head_size, int64_t block_size) {
   plan.tasks.clear();
@@ -175,7 +193,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   Plan& plan = plan_storage;
   plan_items(plan, query, key_cache, block_tables, seq_lens, query_start_loc, sliding_window);
   if (plan.items.empty()) return;
-  split_key_ranges(plan, at::get_num_threads(), query.size(2), key_cache.size(2));
+  split_key_ranges(plan, planned_threads(), query.size(2), key_cache.size(2));
   order_by_cost(plan);
 
   const AttentionArgs args{query.data_ptr(), query.stride(0), query.stride(1),

@@ -12,7 +12,11 @@
 //
 // Tiers without bf16 dot products (CONTBATCH_WIDENS_PANELS) widen the whole panel to fp32
 // first when a call has kWidenFromRows rows or more: every weight is then widened once per call instead
-// of once per row tile, and the inner loop is plain fp32 loads, broadcasts and FMAs.
+// of once per row tile, and the inner loop is plain fp32 loads, broadcasts and FMAs. Both
+// ways add each pair's odd product before its even one (accumulate_pair_row's order), so a
+// row's result does not depend on which way its run took: runs follow the split of a call
+// over the threads (panel_runs.h), and with the orders apart a greedy token could change
+// with the thread count, which follows the machine's load (contbatch/engine/threads.py).
 
 static_assert(kLinearTileRows <= kMaxLinearTileRows && sizeof(StagedPair) <= 8, "linear scratch too small");
 constexpr int kTileColumns = kLinearTileVectors * kLanes;
@@ -80,13 +84,16 @@ inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t i
 }
 
 #ifdef CONTBATCH_WIDENS_PANELS
-// wide[i][c] = the weight of column c for input i, as fp32, for the 2 * pairs inputs
-// (the last one zero where in_features is odd: the panel's padding).
+// Input i of a widened panel's order: each pair's odd input first (accumulate_pair_row's order).
+constexpr int64_t widened_input(int64_t i) { return i ^ 1; }
+
+// wide[i][c] = the weight of column c for input widened_input(i), as fp32, for the 2 * pairs
+// inputs (input 2 * pairs - 1 zero where in_features is odd: the panel's padding).
 inline void widen_panel(float* wide, const uint16_t* panel, int64_t pairs) {
   for (int64_t k = 0; k < pairs; ++k) {
     const uint16_t* pair_row = panel + k * 2 * kPanelColumns;
-    float* even = wide + 2 * k * kPanelColumns;
-    float* odd = even + kPanelColumns;
+    float* odd = wide + 2 * k * kPanelColumns;
+    float* even = odd + kPanelColumns;
     for (int v = 0; v < kPanelColumns / kLanes; ++v) {
       vstore(even + kLanes * v, vload_even(pair_row + 2 * kLanes * v));
       vstore(odd + kLanes * v, vload_odd(pair_row + 2 * kLanes * v));
@@ -94,12 +101,15 @@ inline void widen_panel(float* wide, const uint16_t* panel, int64_t pairs) {
   }
 }
 
-// staged[i * MR + m] = row m's input i as fp32, zero past in_features up to `inputs`.
+// staged[i * MR + m] = row m's input widened_input(i) as fp32, zero past in_features up to `inputs`.
 template <int MR>
 inline void stage_rows_fp32(float* staged, const uint16_t* x, int64_t x_stride, int64_t in_features, int64_t inputs) {
   for (int m = 0; m < MR; ++m) {
     const uint16_t* row = x + m * x_stride;
-    for (int64_t i = 0; i < inputs; ++i) staged[i * MR + m] = i < in_features ? load1(row[i]) : 0.0f;
+    for (int64_t i = 0; i < inputs; ++i) {
+      const int64_t input = widened_input(i);
+      staged[i * MR + m] = input < in_features ? load1(row[input]) : 0.0f;
+    }
   }
 }
 

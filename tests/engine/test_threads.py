@@ -6,8 +6,12 @@ import sys
 import time
 
 import pytest
+import torch
 
+from contbatch import LLM, SamplingParams, ops
 from contbatch.engine.threads import CpuTimes, ThreadController, read_cpu_times, threads_for
+from tests.ops.paged_batch import cpu_isa, isa_params, num_threads
+from tests.test_generate_oracle import _tiny_prompts
 
 
 def test_threads_for_leaves_the_cores_others_use():
@@ -66,3 +70,30 @@ def test_real_counters_see_another_process_on_our_cores():
     others = (after.busy - before.busy - (after.own - before.own)) / wall
     assert others > 0.5, f"a spinning process showed as {others:.2f} cores"
     assert after.own - before.own < 0.2 * wall, "sleeping did not count as our own time"
+
+
+def _outputs(model_dir, isa: str, threads: int, **engine) -> list:
+    prompts, max_tokens = _tiny_prompts()
+    # A 300-token prompt last: decoding alone, its keys are split across partitions (split-K).
+    prompts, max_tokens = [*prompts[:8], list(range(3, 303))], [*max_tokens[:8], 30]
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=3) for n in max_tokens]
+    with cpu_isa(isa), num_threads(threads):
+        llm = LLM(model_dir, skip_tokenizer_init=True, device="cpu", max_num_seqs=6, max_num_batched_tokens=32,
+                  max_model_len=400, adapt_threads=False, **engine)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.skipif(ops.BACKEND != "native", reason="the C++ extension is not built")
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("engine", [dict(dtype="bfloat16"), dict(dtype="float32"),
+                                    dict(dtype="bfloat16", quantization="int8")], ids=["bf16", "fp32", "int8"])
+def test_outputs_do_not_depend_on_the_thread_count(tiny_model_dirs, isa, engine):
+    """The controller changes the thread count with the machine's load, so tokens and logprobs
+    must be the same at any count. Before, the bf16 linears of the generic and AVX2 tiers and
+    split-K attention summed in another order at 1 thread than at 2: a full test run on the
+    AVX2 tiers failed when the machine was busy."""
+    model_dir = tiny_model_dirs["llama3-rope-tied"]
+    one = _outputs(model_dir, isa, 1, **engine)
+    for threads in (2, 3):
+        assert _outputs(model_dir, isa, threads, **engine) == one, f"{threads} threads differ from 1"

@@ -1,5 +1,6 @@
 """Random paged KV caches and varlen batches for the op tests (layout: docs/design/kv_cache_layout.md)."""
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -91,6 +92,21 @@ def num_threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+THREAD_COUNTS = (1, 2, 3)
+
+
+def assert_same_at_every_thread_count(call: Callable[[], torch.Tensor]) -> None:
+    """call() must give bit for bit the same tensor at 1, 2 and 3 threads. The engine changes
+    its thread count with the machine's load (contbatch/engine/threads.py): a result that
+    followed the thread count would make a greedy token depend on how busy the machine was."""
+    results = {}
+    for n in THREAD_COUNTS:
+        with num_threads(n):
+            results[n] = call()
+    for n, result in results.items():
+        assert torch.equal(result, results[1]), f"{n} threads give another result than 1 thread"
 
 
 @dataclass

@@ -25,7 +25,14 @@ from hypothesis import given, settings
 from contbatch import ops
 from contbatch.ops import int8_blocks, reference
 from contbatch.ops.int8_blocks import BLOCK_SIZES, Int8Blocks, pack_int8, quantize_weight, unpack_int8
-from tests.ops.paged_batch import SUPPORTED_INT8_KERNELS, cpu_isa, int8_kernel_params, require_native, use_int8_kernel
+from tests.ops.paged_batch import (
+    SUPPORTED_INT8_KERNELS,
+    assert_same_at_every_thread_count,
+    cpu_isa,
+    int8_kernel_params,
+    require_native,
+    use_int8_kernel,
+)
 
 require_native()
 
@@ -130,6 +137,25 @@ def test_linear_row_tiles_and_tasks(kernel, block, rows):
     ours = _linear(x, weight, None, torch.float32, kernel)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", int8_kernel_params())
+@pytest.mark.parametrize("rows", [1, 7, 12, 17, 33, 40, 100])
+def test_fused_op_is_the_same_at_every_thread_count(kernel, rows):
+    """The threads split a call into runs of rows of a panel (panel_runs.h), and the kernels
+    take other tiles (and AVX2 a widened panel) for runs of other sizes: a row's result must
+    not depend on the run it fell in."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    packed = pack_int8(quantize_weight(torch.randn(960, 576, generator=g) * 0.05, ops.int8_weight_block()))
+
+    def call() -> torch.Tensor:
+        out = torch.empty(rows, 960, dtype=torch.bfloat16)
+        with use_int8_kernel(kernel):
+            native.int8_quantize_linear(out, x, packed.values, packed.scales, None)
+        return out
+
+    assert_same_at_every_thread_count(call)
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())

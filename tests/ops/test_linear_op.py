@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from contbatch import ops
 from contbatch.ops import reference
 from contbatch.ops.panel_layout import PANEL_COLUMNS, pack_panels, unpack_panels
-from tests.ops.paged_batch import cpu_isa, isa_params, require_native
+from tests.ops.paged_batch import assert_same_at_every_thread_count, cpu_isa, isa_params, num_threads, require_native
 
 require_native()
 
@@ -82,6 +82,63 @@ def test_bf16_linear_on_model_shapes(rows, isa):
     x, weight = _random((rows, 576), g), _random((960, 576), g, 0.05)
     ours, expected = _run_both(x, weight, None, isa)
     assert_within_one_rounding(ours, expected, 576)
+
+
+def _tiers_and_amx() -> list:
+    """Every tier with AMX off, and the avx512 tier with the AMX kernel where it runs."""
+    return [pytest.param(p.values[0], False, marks=p.marks, id=p.values[0]) for p in isa_params()] + [
+        pytest.param("avx512", True, marks=amx_only, id="avx512+amx")]
+
+
+def _order_sensitive(rows: int, out_features: int, in_features: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, weight) whose products at inputs 4j and 4j + 2 are large and cancel (+E, then -E)
+    while the others are small: where a small product is added, before or after a large one,
+    changes the fp32 sum by more than a bf16 step in about one output in ten. Random inputs
+    hide a change of summation order in the rounding to bf16 almost always."""
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    big = torch.randn(rows, (in_features + 3) // 4, generator=generator) * 2**12
+    x[:, 0::4] = big[:, : x[:, 0::4].shape[1]]
+    x[:, 2::4] = -big[:, : x[:, 2::4].shape[1]]
+    weight[:, 2::4] = weight[:, 0::4][:, : weight[:, 2::4].shape[1]]
+    return x.to(torch.bfloat16), weight.to(torch.bfloat16)
+
+
+def _bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str, use_amx: bool) -> torch.Tensor:
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    with cpu_isa(isa), ops.use_amx_matmuls(use_amx):
+        native.bf16_linear(out, x, packed, None)
+    return out
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("rows", [5, 12, 17, 40])
+def test_a_rows_result_does_not_depend_on_the_rows_called_with_it(isa, rows):
+    """One call of all the rows against one call a row, on each tier's vector kernel (AMX, which
+    takes calls of 5 rows or more, sums in its own order): tiers without bf16 dot products
+    widen the panel from 2 row tiles on, and both loops must add the products in the same
+    order. Before, the widened loop added each pair's even product first and the direct one
+    its odd product: on the generic, AVX2 and AVX-512 tiers a row came out differently beside
+    other rows."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = _order_sensitive(rows, 130, 576, gen)
+    packed = pack_panels(weight)
+    together = _bf16_linear(x, packed, 130, isa, use_amx=False)
+    with num_threads(1):
+        alone = torch.cat([_bf16_linear(x[r : r + 1], packed, 130, isa, use_amx=False) for r in range(rows)])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("isa, use_amx", _tiers_and_amx())
+@pytest.mark.parametrize("rows", [1, 12, 17, 40, 100])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 576), (200, 75)])
+def test_bf16_linear_is_the_same_at_every_thread_count(isa, use_amx, rows, out_features, in_features):
+    """The threads split a call into runs of rows of a panel (panel_runs.h), so the rows of a
+    panel at a thread's boundary run in a shorter call of the kernel than at 1 thread."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x, weight = _order_sensitive(rows, out_features, in_features, gen)
+    packed = pack_panels(weight)
+    assert_same_at_every_thread_count(lambda: _bf16_linear(x, packed, out_features, isa, use_amx))
 
 
 @pytest.mark.parametrize("isa", isa_params())

@@ -9,6 +9,8 @@ from contbatch.ops import reference
 from tests.ops.paged_batch import (
     SUPPORTED_ISAS,
     TOLERANCES,
+    assert_same_at_every_thread_count,
+    cpu_isa,
     device_params,
     isa_params,
     num_threads,
@@ -71,8 +73,8 @@ def test_smollm_decode_batch(dtype, isa):
 @pytest.mark.parametrize("query_len, window", [(1, -1), (1, 300), (5, -1), (5, 300), (40, 100)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(4, 1, 16), (10, 5, 64)])
 def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads, block_size):
-    """One long sequence: too few work items for 2 threads, so key ranges are split and the
-    partial softmaxes merged (with a window, some partitions hold no key for some rows).
+    """One long sequence: too few work items for this machine's CPUs (when it has 2 or more), so
+    key ranges are split and the partial softmaxes merged (with a window, some partitions hold no key for some rows).
     5 kv heads make one item of 4 kv heads and one of 1, each split."""
     gen = torch.Generator().manual_seed(query_len)
     batch = random_batch(gen, [2500], [query_len], num_heads, num_kv_heads, 64, block_size, dtype)
@@ -114,6 +116,26 @@ def test_device_kernel_matches_reference(device, dtype, window):
     torch.ops.contbatch.paged_attention(out, *on_device.attention_args(), 0.125, window)
     tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(out.cpu().float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("seq_lens, query_lens", [([2500], [1]), ([900, 40], [1, 40]), ([700] * 5, [1] * 5)])
+def test_the_same_at_every_thread_count(dtype, isa, seq_lens, query_lens):
+    """Few long sequences, which split-K cuts into partitions (their partial softmaxes summed in
+    another order than one pass): the cut must not follow the threads of the moment. Before,
+    it was sized for them, and one decode sequence of 2,500 keys came out differently at 1,
+    2 and 3 threads."""
+    gen = torch.Generator().manual_seed(len(seq_lens))
+    batch = random_batch(gen, seq_lens, query_lens, 9, 3, 64, 16, dtype)
+
+    def call() -> torch.Tensor:
+        out = torch.empty_like(batch.query)
+        with cpu_isa(isa):
+            torch.ops.contbatch.paged_attention(out, *batch.attention_args(), 0.125, -1)
+        return out
+
+    assert_same_at_every_thread_count(call)
 
 
 @pytest.mark.parametrize("isa", isa_params())
