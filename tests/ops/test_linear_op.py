@@ -97,10 +97,10 @@ def _order_sensitive(rows: int, out_features: int, in_features: int, generator) 
     hide a change of summation order in the rounding to bf16 almost always."""
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
-    big = torch.randn(rows, (in_features + 3) // 4, generator=generator) * 2**12
-    x[:, 0::4] = big[:, : x[:, 0::4].shape[1]]
-    x[:, 2::4] = -big[:, : x[:, 2::4].shape[1]]
-    weight[:, 2::4] = weight[:, 0::4][:, : weight[:, 2::4].shape[1]]
+    pairs = x[:, 2::4].shape[1]  # inputs 4j + 2, each cancelling input 4j
+    big = torch.randn(rows, pairs, generator=generator) * 2**12
+    x[:, 0 : 4 * pairs : 4], x[:, 2::4] = big, -big
+    weight[:, 2::4] = weight[:, 0 : 4 * pairs : 4]
     return x.to(torch.bfloat16), weight.to(torch.bfloat16)
 
 

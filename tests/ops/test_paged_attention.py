@@ -73,9 +73,9 @@ def test_smollm_decode_batch(dtype, isa):
 @pytest.mark.parametrize("query_len, window", [(1, -1), (1, 300), (5, -1), (5, 300), (40, 100)])
 @pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(4, 1, 16), (10, 5, 64)])
 def test_split_key_ranges(dtype, isa, query_len, window, num_heads, num_kv_heads, block_size):
-    """One long sequence: too few work items for this machine's CPUs (when it has 2 or more), so
-    key ranges are split and the partial softmaxes merged (with a window, some partitions hold no key for some rows).
-    5 kv heads make one item of 4 kv heads and one of 1, each split."""
+    """One long sequence: too few work items for this machine's CPUs (when it has 2 or more),
+    so key ranges are split and the partial softmaxes merged (with a window, some partitions
+    hold no key for some rows). 5 kv heads make one item of 4 kv heads and one of 1, each split."""
     gen = torch.Generator().manual_seed(query_len)
     batch = random_batch(gen, [2500], [query_len], num_heads, num_kv_heads, 64, block_size, dtype)
     with num_threads(2):
