@@ -2,7 +2,9 @@
 
 The package works without it (pure-PyTorch reference ops), so a failed or skipped
 build never blocks installation: set CONTBATCH_NO_EXT=1 to skip it on purpose, or
-CONTBATCH_REQUIRE_EXT=1 to make a failed build an error (CI).
+CONTBATCH_REQUIRE_EXT=1 to make a failed build an error (CI). CONTBATCH_CXX_OPT (-O0 to -O3,
+default -O3) sets the C++ sources' optimization level: CI's CUDA compile check (.ci/build_cuda.sh)
+builds them at -O0, since it only checks that the extension compiles, links and registers.
 
 CPU: csrc/*.cpp and csrc/cpu/*.cpp. No -march flag: the kernels are compiled once per ISA
 tier (AVX2, AVX-512, AVX-512 + AVX512_BF16) through function-level target pragmas
@@ -22,6 +24,16 @@ NAME = "contbatch._C"
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0") == "1"
+
+
+OPT_LEVELS = ("-O0", "-O1", "-O2", "-O3")
+
+
+def _cxx_opt_level() -> str:
+    level = os.environ.get("CONTBATCH_CXX_OPT", "-O3")
+    if level not in OPT_LEVELS:
+        raise ValueError(f"CONTBATCH_CXX_OPT must be one of {', '.join(OPT_LEVELS)}, got {level!r}")
+    return level
 
 
 def _extension_setup() -> dict:
@@ -52,7 +64,7 @@ def _extension_setup() -> dict:
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # The C++ standard is torch's default (C++20 for torch 2.13). -fopenmp: at::parallel_for
     # is inlined OpenMP code in torch's CPU builds; it binds to the libgomp torch loads.
-    cxx = ["-O3", "-fopenmp"]
+    cxx = [_cxx_opt_level(), "-fopenmp"]
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and bool(cuda_sources)
     kwargs = dict(
