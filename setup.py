@@ -5,6 +5,9 @@ build never blocks installation: set CONTBATCH_NO_EXT=1 to skip it on purpose, o
 CONTBATCH_REQUIRE_EXT=1 to make a failed build an error (CI). CONTBATCH_CXX_OPT (-O0 to -O3,
 default -O3) sets the C++ sources' optimization level: CI's CUDA compile check (.ci/build_cuda.sh)
 builds them at -O0, since it only checks that the extension compiles, links and registers.
+They build without debug information (-g0, over the -g of Python's CFLAGS) unless
+CONTBATCH_CXX_DEBUG=1: the kernels' templates made -g double their compile time and put 48 of
+the 53 MB of the library into it; symbol names (perf, backtraces) stay either way.
 
 CPU: csrc/*.cpp and csrc/cpu/*.cpp. No -march flag: the kernels are compiled once per ISA
 tier (AVX2, AVX-512, AVX-512 + AVX512_BF16) through function-level target pragmas
@@ -64,7 +67,7 @@ def _extension_setup() -> dict:
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # The C++ standard is torch's default (C++20 for torch 2.13). -fopenmp: at::parallel_for
     # is inlined OpenMP code in torch's CPU builds; it binds to the libgomp torch loads.
-    cxx = [_cxx_opt_level(), "-fopenmp"]
+    cxx = [_cxx_opt_level(), "-g" if _flag("CONTBATCH_CXX_DEBUG") else "-g0", "-fopenmp"]
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and bool(cuda_sources)
     kwargs = dict(
