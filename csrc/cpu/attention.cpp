@@ -16,7 +16,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include <sched.h>
+#ifdef __linux__
+#include <sched.h>  // sched_getaffinity (planned_threads)
+#endif
 
 #include <algorithm>
 #include <atomic>
