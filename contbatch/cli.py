@@ -9,6 +9,7 @@ Parquet results file; see ``contbatch generate --help`` and docs/bulk_jobs.md.
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -231,11 +232,23 @@ def _flag_kwargs(annotation: object) -> dict | None:
         return {"action": argparse.BooleanOptionalAction}
     if annotation in (int, float, str):
         return {"type": annotation}
+    if typing.get_origin(annotation) is dict:  # e.g. --logit-bias '{"50256": -100}'
+        return {"type": _json_object}
     if typing.get_origin(annotation) is list and len(args) == 1 and args[0] in (int, float, str):
         if args[0] is str:  # one value per flag, so values may start with "-" (--stop=-x)
             return {"type": str, "action": "append"}
         return {"type": args[0], "nargs": "+", "action": "extend"}
     return None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -243,8 +243,10 @@ class LLM:
         params = _params_iterator(sampling_params, total, self.engine.check_params)
         if total == 0:  # as vLLM: nothing to do (a filter upstream may leave no prompt)
             return iter(())
-        source: Iterable = self.preparer.prepare_all(items) if materialised else items
-        return self._run(source, params, materialised, _Progress(total, use_tqdm))
+        if materialised:  # every prompt paired with its params and checked before any work
+            return self._run(self.preparer.prepare_all(items, params), itertools.repeat(None), True,
+                             _Progress(total, use_tqdm))
+        return self._run(items, params, False, _Progress(total, use_tqdm))
 
     def loglikelihood(self, requests: Sequence[tuple[object, object]]) -> list[LoglikelihoodOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order.
@@ -326,7 +328,7 @@ class LLM:
         return pairs, prepared
 
     def _run(
-        self, source: Iterable, params: Iterator[SamplingParams], prepared: bool, progress: "_Progress"
+        self, source: Iterable, params: Iterator[SamplingParams | None], prepared: bool, progress: "_Progress"
     ) -> Iterator[RequestOutput]:
         engine = self.engine
         self._check_idle()  # two iterators made before either ran: the second to start is refused
@@ -367,9 +369,10 @@ class LLM:
             raise RuntimeError("this LLM is already running a generate/iter_generate call; finish or close it first")
 
     def _admit(self, position: int, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
-        """Queue one prompt; a prompt that cannot run gets an error output instead."""
+        """Queue one prompt; a prompt that cannot run gets an error output instead. ``params``:
+        the call's for this prompt (None past the end of a short list), unless it comes prepared."""
         try:
-            prompt: PreparedPrompt = item if prepared else self.preparer.prepare(item)
+            prompt: PreparedPrompt = item if prepared else self.preparer.prepare(item, params)
         except (TypeError, ValueError) as exc:
             return _error_output(position, item, str(exc))
         params = prompt.params or params

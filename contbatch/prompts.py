@@ -21,7 +21,7 @@ PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "sampling_params"})
 class PreparedPrompt:
     text: str | None
     token_ids: list[int]
-    params: SamplingParams | None = None  # the prompt's own override, if it carried one
+    params: SamplingParams | None = None  # what it runs with: its own override, else the call's (None: not paired yet)
     prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
 
 
@@ -38,14 +38,18 @@ class PromptPreparer:
         self.vocab_size = vocab_size
         self.check_params = check_params
 
-    def prepare(self, prompt: object) -> PreparedPrompt:
-        """Token ids for one prompt; ValueError/TypeError saying what is wrong with it."""
+    def prepare(self, prompt: object, call_params: SamplingParams | None = None) -> PreparedPrompt:
+        """Token ids for one prompt, run with its own SamplingParams if it carries them, else
+        ``call_params`` (already checked), whose ``truncate_prompt_tokens`` applies before the
+        length check; ValueError/TypeError saying what is wrong with it."""
         text, token_ids = self._split(prompt)
         if text is not None:
             _check_unicode(text)
-        own_params = _own_params(prompt)
-        if own_params is not None:
-            self.check_params(own_params)
+        params = _own_params(prompt)
+        if params is not None:
+            self.check_params(params)
+        else:
+            params = call_params
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this LLM was built with skip_tokenizer_init=True")
@@ -54,6 +58,8 @@ class PromptPreparer:
             token_ids = self.tokenizer(text).input_ids
         if not token_ids:
             raise ValueError("prompt has no tokens")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-self._truncated_length(params.truncate_prompt_tokens) :]
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
@@ -61,14 +67,19 @@ class PromptPreparer:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} allows at most "
                 f"{self.max_model_len - 1} (one position must remain for generated tokens)"
             )
-        return PreparedPrompt(text, list(token_ids), own_params)
+        return PreparedPrompt(text, list(token_ids), params)
 
-    def prepare_all(self, prompts: Sequence) -> list[PreparedPrompt]:
-        """Validate a whole list before any work: one ValueError lists every offending index."""
+    def _truncated_length(self, truncate_prompt_tokens: int) -> int:
+        """The prompt tokens ``truncate_prompt_tokens`` keeps: -1 keeps all a prompt may have."""
+        return self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+    def prepare_all(self, prompts: Sequence, call_params: Iterable[SamplingParams]) -> list[PreparedPrompt]:
+        """Validate a whole list before any work, each prompt with its entry of ``call_params``:
+        one ValueError lists every offending index."""
         prepared, errors = [], []
-        for index, prompt in enumerate(prompts):
+        for index, (prompt, params) in enumerate(zip(prompts, call_params)):
             try:
-                prepared.append(self.prepare(prompt))
+                prepared.append(self.prepare(prompt, params))
             except (TypeError, ValueError) as exc:
                 errors.append(f"prompts[{index}]: {exc}")
         raise_if_invalid(errors, "prompt(s)")

@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,15 @@ class SamplingParams:
             (a StructuredOutputsParams, or a dict such as {"choice": ["yes", "no"]})
             (a ``StructuredOutputsParams``).
         skip_special_tokens: leave special tokens out of the text.
+        logit_bias: {token id: bias} added to those tokens' logits at every step, before the
+            penalties (vLLM's order); ids may be decimal strings, as in a JSON object (the
+            command line takes one: --logit-bias '{"13": -5}').
+        allowed_token_ids: the only tokens the request may generate (a non-empty list).
+        bad_words: words the request may not generate: each word is tokenized as at the start
+            of a text and after a space, and the last token of each token sequence is masked
+            whenever the output so far ends with the tokens before it (vLLM's rule).
+        truncate_prompt_tokens: keep only the last k prompt tokens (left truncation, as vLLM);
+            -1 keeps the last max_model_len - 1. None keeps the whole prompt.
     """
 
     temperature: float = 1.0
@@ -72,6 +82,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     structured_outputs: Any = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +126,12 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
         self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _bad_words(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                       lambda v: v == -1 or 1 <= v <= MAX_INT64, "None, -1 (max_model_len - 1) or >= 1")
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +140,42 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """{token id: finite bias}; keys given as decimal strings (JSON objects' keys) become ints."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"SamplingParams.logit_bias must be a dict {{token id: bias}} or None, got {bias!r}")
+    checked = {}
+    for key, value in bias.items():
+        token_id = int(key) if isinstance(key, str) and key.isdecimal() else key
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT64:
+            raise ValueError(f"SamplingParams.logit_bias must be keyed by token ids (ints in [0, 2**63 - 1], or "
+                             f"their decimal strings), got the key {key!r}")
+        _check_number("logit_bias", value, lambda v: math.isfinite(v) and abs(v) <= MAX_FLOAT32,
+                      f"a finite float32 for each token (token {token_id})")
+        checked[token_id] = float(value)
+    return checked
+
+
+def _allowed_token_ids(token_ids: object) -> list[int] | None:
+    if token_ids is None:
+        return None
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        raise ValueError(f"SamplingParams.allowed_token_ids must be None or a non-empty list of token ids, got {token_ids!r}")
+    for token_id in token_ids:
+        _check_int("allowed_token_ids", token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")
+    return list(token_ids)
+
+
+def _bad_words(words: object) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"SamplingParams.bad_words must be None or a list of non-blank strings, got {words!r}")
+    return list(dict.fromkeys(words))
 
 
 def _stop_strings(stop: object) -> list[str]:

@@ -85,3 +85,35 @@ def test_max_tokens_none_is_accepted_and_bounds_min_tokens_by_nothing():
     assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
     with pytest.raises(ValueError, match="max_tokens must be None or >= 1"):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "allowed"),
+    [
+        ("logit_bias", [(1, 2.0)], TypeError, "a dict {token id: bias}"),
+        ("logit_bias", {"x": 1.0}, ValueError, "keyed by token ids"),
+        ("logit_bias", {-1: 1.0}, ValueError, "keyed by token ids"),
+        ("logit_bias", {True: 1.0}, ValueError, "keyed by token ids"),
+        ("logit_bias", {5: float("inf")}, ValueError, "a finite float32 for each token (token 5)"),
+        ("logit_bias", {5: "high"}, TypeError, "a finite float32"),
+        ("allowed_token_ids", [], ValueError, "a non-empty list of token ids"),
+        ("allowed_token_ids", 7, ValueError, "a non-empty list of token ids"),
+        ("allowed_token_ids", [3, -1], ValueError, "in [0, 2**63 - 1] (each id)"),
+        ("bad_words", "word", ValueError, "a list of non-blank strings"),
+        ("bad_words", ["ok", "  "], ValueError, "a list of non-blank strings"),
+        ("bad_words", [3], ValueError, "a list of non-blank strings"),
+        ("truncate_prompt_tokens", 0, ValueError, "-1 (max_model_len - 1) or >= 1"),
+        ("truncate_prompt_tokens", -2, ValueError, "-1 (max_model_len - 1) or >= 1"),
+        ("truncate_prompt_tokens", 2.5, TypeError, "-1 (max_model_len - 1) or >= 1"),
+    ],
+)
+def test_token_restrictions_are_checked_naming_the_field(field, value, error, allowed):
+    with pytest.raises(error) as info:
+        SamplingParams(**{field: value})
+    assert f"SamplingParams.{field}" in str(info.value) and allowed in str(info.value)
+
+
+def test_token_restrictions_are_normalised():
+    params = SamplingParams(logit_bias={"13": 2, 7: -1.5}, allowed_token_ids=(4, 5), bad_words=["a", "b", "a"])
+    assert params.logit_bias == {13: 2.0, 7: -1.5} and params.allowed_token_ids == [4, 5]
+    assert params.bad_words == ["a", "b"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from contbatch.engine.bad_words import BadWordsIds, banned_next
 from contbatch.engine.scheduler_output import NewSeq, SchedulerOutput
 from contbatch.engine.stopping import stop_token_ids
 from contbatch.layers.attention import AttentionMetadata
@@ -32,6 +33,8 @@ class SeqState:
     prompt_logprobs_from: int  # with prompt logprobs: the first prompt position scored
     generator: torch.Generator | None
     block_tables: list[list[int]]  # one per KV-cache group
+    bad_words_ids: BadWordsIds = ()
+    allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the device, made once
 
     @property
     def num_output_tokens(self) -> int:
@@ -139,7 +142,16 @@ class InputBatch:
         )
 
     def sampling_batch(self, seqs: list[SeqState], masks: TokenMasks | None) -> SamplingBatch:
-        suppressed = [(row, sorted(s.stop_ids)) for row, s in enumerate(seqs) if s.stops_suppressed]
+        suppressed, allowed = [], []
+        for row, s in enumerate(seqs):
+            if s.bad_words_ids or s.stops_suppressed:
+                banned = banned_next(s.bad_words_ids, s.token_ids, s.num_output_tokens)
+                if s.stops_suppressed:
+                    banned.extend(s.stop_ids)
+                if banned:
+                    suppressed.append((row, banned))
+            if s.allowed_ids is not None:
+                allowed.append((row, s.allowed_ids))
         token_ids = [
             (s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :]) if s.params.has_penalties
             else ([], []) for s in seqs
@@ -149,7 +161,7 @@ class InputBatch:
             rows = {s.seq_id: row for row, s in enumerate(seqs)}
             masked = ([rows[seq_id] for seq_id in masks.seq_ids], masks.blocked)
         return SamplingBatch.build(
-            [s.params for s in seqs], [s.generator for s in seqs], suppressed, masked, token_ids, self.device
+            [s.params for s in seqs], [s.generator for s in seqs], suppressed, masked, token_ids, self.device, allowed
         )
 
     def _new_state(self, new: NewSeq) -> SeqState:
@@ -162,6 +174,9 @@ class InputBatch:
             prompt_logprobs_from=new.prompt_logprobs_from,
             generator=make_generator(new.params.seed, new.sample_index),
             block_tables=[[] for _ in range(self.num_groups)],
+            bad_words_ids=new.bad_words_ids,
+            allowed_ids=None if new.params.allowed_token_ids is None else torch.tensor(
+                sorted(set(new.params.allowed_token_ids)), dtype=torch.int64, device=self.device),
         )
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

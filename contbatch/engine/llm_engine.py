@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 from contbatch.config import EngineConfig
+from contbatch.engine.bad_words import BadWordsIds, bad_words_token_ids
 from contbatch.engine.block_manager import BlockManager
 from contbatch.engine.kv_cache import KVCacheSpec
 from contbatch.engine.model_runner import ModelRunner
 from contbatch.engine.output_processor import OutputProcessor
 from contbatch.engine.scheduler import Scheduler
 from contbatch.engine.scheduler_output import SchedulerOutput
+from contbatch.engine.stopping import stop_token_ids
 from contbatch.engine.stats import EngineStats, StatsListener, StepStats
 from contbatch.engine.threads import ThreadController
 from contbatch.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -25,6 +27,8 @@ from contbatch.models.loader import load_model, read_config
 from contbatch.outputs import RequestOutput
 from contbatch.sampling_params import SamplingParams
 from contbatch.structured_outputs import StructuredOutputManager
+
+BAD_WORDS_CACHE_SIZE = 1024
 
 
 class LLMEngine:
@@ -57,6 +61,7 @@ class LLMEngine:
         adapt = config.adapt_threads and device.type == "cpu"
         self.threads = ThreadController(torch.get_num_threads()) if adapt else None
         self._listeners: list[StatsListener] = []
+        self._bad_words_cache: dict[tuple[str, ...], BadWordsIds] = {}
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError/TypeError if ``params`` are invalid or this engine cannot serve them. The one
@@ -73,6 +78,50 @@ class LLMEngine:
             raise ValueError("stop strings and structured outputs need a tokenizer (skip_tokenizer_init=True was given)")
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        self._check_token_restrictions(params)
+
+    def _check_token_restrictions(self, params: SamplingParams) -> None:
+        """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens against this model."""
+        vocab_size = self.model_config.vocab_size
+        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = sorted(token_id for token_id in token_ids if token_id >= vocab_size)
+            if outside:
+                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab_size}), got {outside[:10]}")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
+            outside = sorted({t for ids in self._bad_words_ids(params) for t in ids if t >= vocab_size})
+            if outside:
+                raise ValueError(f"SamplingParams.bad_words: the tokenizer gives ids {outside[:10]} the model's "
+                                 f"{vocab_size} logits do not have")
+        if params.allowed_token_ids is not None:
+            self._check_some_token_allowed(params)
+        most = self.max_model_len - 1
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > most:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be None, -1 or in [1, {most}] "
+                             f"(max_model_len - 1), got {params.truncate_prompt_tokens}")
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids that one-token bad words, or stop ids until min_tokens, leave empty
+        would have no token to sample."""
+        left = set(params.allowed_token_ids) - {ids[0] for ids in self._bad_words_ids(params) if len(ids) == 1}
+        if not left:
+            raise ValueError("SamplingParams.allowed_token_ids: every allowed token is one of bad_words")
+        if params.min_tokens > 0 and left <= stop_token_ids(params, self.eos_token_ids):
+            raise ValueError(f"SamplingParams.allowed_token_ids: every allowed token ends the request, which "
+                             f"min_tokens={params.min_tokens} forbids before then")
+
+    def _bad_words_ids(self, params: SamplingParams) -> BadWordsIds:
+        """The request's bad words as token sequences, tokenized once per distinct list of words."""
+        if not params.bad_words:
+            return ()
+        words = tuple(params.bad_words)
+        ids = self._bad_words_cache.get(words)
+        if ids is None:
+            ids = bad_words_token_ids(self.tokenizer, words)
+            if len(self._bad_words_cache) < BAD_WORDS_CACHE_SIZE:  # a job with a list per record stays bounded
+                self._bad_words_cache[words] = ids
+        return ids
 
     def add_request(
         self,
@@ -85,7 +134,9 @@ class LLMEngine:
         """Queue a request. With prompt logprobs, ``prompt_logprobs_from`` is the first prompt
         position scored (earlier entries are None) and the prefix before it may be reused
         from the prefix cache (scoring continuations of one shared context)."""
-        request = self.scheduler.add_request(request_id, prompt, prompt_token_ids, params, prompt_logprobs_from)
+        request = self.scheduler.add_request(
+            request_id, prompt, prompt_token_ids, params, prompt_logprobs_from, self._bad_words_ids(params)
+        )
         try:
             if params.structured_outputs is not None:
                 self.structured.add(request.seq_id, params.structured_outputs)

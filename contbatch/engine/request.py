@@ -10,6 +10,7 @@ and finish reason, the structured-output manager its grammar matchers.
 import enum
 import time
 
+from contbatch.engine.bad_words import BadWordsIds
 from contbatch.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
         params: SamplingParams,
         sample_index: int = 0,
         prompt_logprobs_from: int = 1,
+        bad_words_ids: BadWordsIds = (),
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -51,6 +53,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         # With prompt logprobs: the first prompt position scored; the prefix before it may come from the cache.
         self.prompt_logprobs_from = prompt_logprobs_from
+        self.bad_words_ids = bad_words_ids  # params.bad_words as token sequences (the engine tokenizes them)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -93,7 +96,7 @@ class Request:
     def fork(self, seq_id: int, sample_index: int) -> "Request":
         """A new sample of the same prompt, at the same computed position."""
         child = Request(seq_id, self.request_id, self.prompt, self.prompt_token_ids, self.params, sample_index,
-                        self.prompt_logprobs_from)
+                        self.prompt_logprobs_from, self.bad_words_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status

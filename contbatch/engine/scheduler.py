@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from contbatch.engine.bad_words import BadWordsIds
 from contbatch.engine.block_manager import BlockManager
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.scheduler_output import NewSeq, ScheduledSeq, SchedulerOutput
@@ -50,8 +51,10 @@ class Scheduler:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt_logprobs_from: int = 1,
+        bad_words_ids: BadWordsIds = (),
     ) -> Request:
-        request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from)
+        request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from,
+                          bad_words_ids)
         self.requests[request.seq_id] = request
         self.waiting.append(request)
         return request
@@ -219,7 +222,7 @@ class Scheduler:
             self._known_to_runner.add(request.seq_id)
             output.new_seqs.append(
                 NewSeq(request.seq_id, request.request_id, request.sample_index, request.params,
-                       tuple(request.prompt_token_ids), request.prompt_logprobs_from)
+                       tuple(request.prompt_token_ids), request.prompt_logprobs_from, request.bad_words_ids)
             )
         tables = self.block_manager.block_table_update(request.seq_id, end)
         output.scheduled.append(ScheduledSeq(request.seq_id, start, num_new, end == request.num_tokens, tables))

@@ -8,6 +8,7 @@ counts and block-table changes (one table per KV-cache group), and the sequences
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from contbatch.engine.bad_words import BadWordsIds
 from contbatch.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewSeq:
     params: SamplingParams
     token_ids: tuple[int, ...]  # the prompt (a forked sample starts from it too)
     prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
+    bad_words_ids: BadWordsIds = ()  # params.bad_words as token sequences
 
 
 class ScheduledSeq(NamedTuple):

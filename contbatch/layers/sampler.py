@@ -5,11 +5,12 @@ their own generator, so a seeded request samples the same tokens whatever else
 shares its batch. Sampling uses the exponential-race trick (argmax of p / q with
 q ~ Exp(1)), which draws from p exactly and needs no cumulative sums.
 
-Order of operations on the logits: min_tokens suppression, penalties, grammar
-masks, then greedy argmax or temperature, min-p, top-k, top-p and sampling (vLLM's order).
+Order of operations on the logits: allowed_token_ids, then bad words and min_tokens
+suppression, logit_bias, penalties, grammar masks, then greedy argmax or temperature,
+min-p, top-k, top-p and sampling (vLLM's order).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,15 @@ class TokenMasks:
     blocked: torch.Tensor  # [len(seq_ids), vocab_size] bool, True = not allowed
 
 
+@dataclass(frozen=True)
+class LogitBias:
+    """Values added to some logits: ``values[i]`` to row ``rows[i]``, column ``token_ids[i]``."""
+
+    rows: torch.Tensor  # [entries] int64
+    token_ids: torch.Tensor  # [entries] int64
+    values: torch.Tensor  # [entries] float32
+
+
 @dataclass
 class SamplingBatch:
     # Per-row settings, None when every row is greedy (argmax needs none of them).
@@ -43,10 +53,12 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [rows] float32, 1 = off
     min_p: torch.Tensor | None  # [rows] float32, 0 = off
     generators: list[torch.Generator | None]
-    suppressed: list[tuple[int, list[int]]]  # (row, token ids masked out: min_tokens not yet reached)
+    suppressed: list[tuple[int, list[int]]]  # (row, token ids masked out: bad words, min_tokens not yet reached)
     masked: tuple[list[int], torch.Tensor] | None  # (rows, [len(rows), vocab] bool: True = not allowed)
     penalties: Penalties | None
     all_greedy: bool
+    allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, the only token ids it may take)
+    bias: LogitBias | None = None
 
     @classmethod
     def build(
@@ -57,8 +69,10 @@ class SamplingBatch:
         masked: tuple[list[int], torch.Tensor] | None,
         token_ids: list[tuple[list[int], list[int]]],
         device: torch.device,
+        allowed: list[tuple[int, torch.Tensor]] = (),
     ) -> "SamplingBatch":
-        """``token_ids``: (prompt ids, output ids) per row, used only when a row has penalties."""
+        """``token_ids``: (prompt ids, output ids) per row, used only when a row has penalties.
+        ``allowed``: (row, token ids) of the rows with allowed_token_ids, as tensors on ``device``."""
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -83,19 +97,43 @@ class SamplingBatch:
             masked=masked,
             penalties=penalties,
             all_greedy=all_greedy,
+            allowed=list(allowed),
+            bias=_logit_bias(params, device),
         )
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias | None:
+    rows, token_ids, values = [], [], []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([row] * len(p.logit_bias))
+            token_ids.extend(p.logit_bias)
+            values.extend(p.logit_bias.values())
+    if not rows:
+        return None
+    return LogitBias(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """Token ids [rows] from logits [rows, vocab] in the model's dtype (modified in place).
 
-    Greedy rows without penalties need no fp32 copy: masking with -inf and argmax are
-    exact in bf16. Everything else works on an fp32 copy.
+    Greedy rows without penalties or biases need no fp32 copy: masking with -inf and argmax
+    are exact in bf16. Everything else works on an fp32 copy.
     """
-    if not batch.all_greedy or batch.penalties is not None:
+    if not batch.all_greedy or batch.penalties is not None or batch.bias is not None:
         logits = logits.float()
+    for row, token_ids in batch.allowed:
+        kept = logits[row, token_ids]
+        logits[row] = float("-inf")
+        logits[row, token_ids] = kept
     for row, token_ids in batch.suppressed:
         logits[row, token_ids] = float("-inf")
+    if batch.bias is not None:
+        logits.index_put_((batch.bias.rows, batch.bias.token_ids), batch.bias.values, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
     if batch.masked is not None:

@@ -93,6 +93,23 @@ def test_only_sampling_params_overrides_sampling(run, tmp_path, caplog):
     assert len(warnings) == 1 and "['max_tokens', 'n']" in warnings[0]
 
 
+def test_records_may_restrict_their_tokens(run, tmp_path, chat_llm):
+    """JSON object keys are strings: a record's logit_bias names its tokens by decimal strings."""
+    tokenizer = chat_llm.get_tokenizer()
+    yes, cat = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " cat"))
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "bias", "prompt": "x", "sampling_params": {"logit_bias": {str(yes): 100}}},
+        {"id": "allowed", "prompt": "x", "sampling_params": {"allowed_token_ids": [cat], "temperature": 1.0}},
+        {"id": "bad", "prompt": "x", "sampling_params": {"logit_bias": {str(yes): 100}, "bad_words": ["yes"]}},
+        {"id": "wrong", "prompt": "x", "sampling_params": {"logit_bias": {"yes": 1}}},
+    ])
+    summary = run(source, sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    texts = {r["id"]: r["outputs"][0]["text"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert texts["bias"] == " yes yes yes" and texts["allowed"] == " cat cat cat"
+    assert "yes" not in texts["bad"]
+    assert summary.errors == 1 and "logit_bias must be keyed by token ids" in read_jsonl(summary.errors_path)[0]["error"]
+
+
 def test_messages_field_applies_the_chat_template(run, tmp_path, chat_llm):
     messages = [{"role": "user", "content": "hi there"}]
     source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "messages": messages}, {"id": 2, "messages": []}])

@@ -81,6 +81,24 @@ def test_n_and_stop_pass_through(tmp_path, chat_model_dir, flag, value, field, e
         assert all(len(r["outputs"]) == 2 for r in read_jsonl(tmp_path / "out.jsonl"))
 
 
+def test_token_restriction_flags_reach_every_record_and_the_settings(tmp_path, chat_model_dir, chat_llm):
+    yes = chat_llm.get_tokenizer().encode(" yes", add_special_tokens=False)[0]
+    assert _cli(tmp_path, chat_model_dir, "--logit-bias", json.dumps({str(yes): 100}), "--bad-words", "no",
+                "--truncate-prompt-tokens", "2") == 0
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["outputs"][0]["text"] for r in records] == [" yes yes yes"] * 3
+    assert {r["prompt_tokens"] for r in records} == {2}
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())["settings"]
+    assert meta["sampling.logit_bias"] == {str(yes): 100.0} and meta["sampling.bad_words"] == ["no"]
+    assert _cli(tmp_path, chat_model_dir, "--logit-bias", json.dumps({str(yes): 50})) == 1, "a resume with another bias"
+
+
+def test_a_logit_bias_that_is_not_a_json_object_is_a_usage_error(tmp_path, chat_model_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _cli(tmp_path, chat_model_dir, "--logit-bias", "[1, 2]")
+    assert exited.value.code == 2 and "--logit-bias: expected a JSON object" in capsys.readouterr().err
+
+
 def test_invalid_sampling_value_is_a_usage_error(tmp_path, chat_model_dir, capsys):
     with pytest.raises(SystemExit) as exited:
         _cli(tmp_path, chat_model_dir, "--top-p", "0")
