@@ -24,7 +24,8 @@ class CompletionOutput:
 
     finish_reason is "stop" (EOS, a stop token or string, or a finished structured output)
     or "length" (max_tokens or max_model_len), or "abort" (the structured-output grammar
-    library failed internally; the text so far is kept and a warning logged); stop_reason is the stop token id or stop
+    library failed internally, or the request's allowed_token_ids, bad_words, min_tokens and
+    grammar left no token to sample; the text so far is kept and a warning logged); stop_reason is the stop token id or stop
     string that ended it, or None for EOS and length.
     """
 

@@ -229,3 +229,29 @@ def test_bad_words_that_leave_no_allowed_token_are_refused(smollm):
     allowed = tokenizer.encode(" cat", add_special_tokens=False)
     with pytest.raises(ValueError, match="every allowed token is one of bad_words"):
         smollm.generate(["Hi"], SamplingParams(allowed_token_ids=allowed, bad_words=["cat"]), use_tqdm=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_its_restrictions_leave_no_token_ends_alone(smollm, temperature):
+    """Allowed " cat" and " dog", with "cat cat" and "cat dog" bad words and " cat" biased to come
+    first: after it no token is left. That request ends as "abort" with its text so far,
+    instead of sampling a token every mask forbids; the request beside it runs on."""
+    tokenizer = smollm.get_tokenizer()
+    cat, dog = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" cat", " dog"))
+    stuck = SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[cat, dog],
+                           bad_words=["cat cat", "cat dog"], logit_bias={cat: 50.0})
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = smollm.generate(["Name an animal:", "Name a colour:"], [stuck, free], use_tqdm=False)
+    assert (outputs[0].outputs[0].token_ids, outputs[0].outputs[0].finish_reason) == ([cat], "abort")
+    alone = smollm.generate(["Name a colour:"], free, use_tqdm=False)[0]
+    assert outputs[1].outputs[0].token_ids == alone.outputs[0].token_ids and len(alone.outputs[0].token_ids) == 8
+
+
+def test_samples_a_grammar_and_allowed_ids_leave_no_token_end_at_once(smollm):
+    """A grammar of "yes"/"no" with only " cat" allowed: both forked samples end before their
+    first token, with no token that the grammar or the allowed ids forbid."""
+    cat = smollm.get_tokenizer().encode(" cat", add_special_tokens=False)
+    params = SamplingParams(temperature=0.7, seed=2, n=2, max_tokens=8, allowed_token_ids=cat, logprobs=1,
+                            structured_outputs={"choice": ["yes", "no"]})
+    output = smollm.generate(["Is the sky blue?"], params, use_tqdm=False)[0]
+    assert [(c.token_ids, c.finish_reason, c.logprobs) for c in output.outputs] == [([], "abort", [])] * 2

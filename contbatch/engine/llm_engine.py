@@ -188,6 +188,8 @@ class LLMEngine:
             finish = self.outputs.process_token(request, result.logprobs.get(request.seq_id))
             if finish is not None:
                 finishes[request.seq_id] = finish
+        for seq_id in result.without_tokens:
+            finishes[seq_id] = self.outputs.end_without_token(self.scheduler.requests[seq_id])
         for seq_id in finishes:
             self.structured.remove(seq_id)
         outputs = self.outputs.collect(self.scheduler.finish(finishes))

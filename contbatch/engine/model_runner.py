@@ -26,6 +26,7 @@ class RunnerOutput:
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
     logprobs: dict[int, RawLogprobs] = field(default_factory=dict)  # seq_id -> its token's logprobs
     prompt_logprobs: list[tuple[int, int, RawLogprobs]] = field(default_factory=list)  # (seq_id, position, ...)
+    without_tokens: list[int] = field(default_factory=list)  # seq_ids whose masks left no token to sample
     model_s: float = 0.0  # time in the model's forward and logits
 
 
@@ -85,13 +86,17 @@ class ModelRunner:
             return result
         wants_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logits = sample_logits[wants_logprobs].float() if wants_logprobs else None  # a copy
-        tokens = sample(sample_logits, self.batch.sampling_batch(seqs, masks), self.generator)
+        tokens, rows_without_tokens = sample(sample_logits, self.batch.sampling_batch(seqs, masks), self.generator)
         if raw_logits is not None:
             chosen = tokens[wants_logprobs]
             ks = [seqs[i].params.logprobs for i in wants_logprobs]
             for i, raw in zip(wants_logprobs, compute_logprobs(raw_logits, chosen, ks)):
                 result.logprobs[seqs[i].seq_id] = raw
         token_list = tokens.tolist()
+        if rows_without_tokens:  # those sequences get no token; the engine ends them
+            result.without_tokens = [seqs[row].seq_id for row in rows_without_tokens]
+            kept = sorted(set(range(len(seqs))) - set(rows_without_tokens))
+            seqs, token_list = [seqs[row] for row in kept], [token_list[row] for row in kept]
         self.batch.append_sampled(seqs, token_list)
         result.sampled = {s.seq_id: token for s, token in zip(seqs, token_list)}
         return result

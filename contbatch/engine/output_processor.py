@@ -9,6 +9,7 @@ one RequestOutput once all of them are done. Its per-sequence state (text, logpr
 finish reason, token times) is its own, keyed by seq_id.
 """
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from contbatch.engine.request import Request
 from contbatch.engine.stopping import Finish, stop_token_ids, token_finish
 from contbatch.layers.logprobs import RawLogprobs
 from contbatch.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +80,15 @@ class OutputProcessor:
         if finish is not None:
             state.finish, state.finished_time = finish, now
         return finish
+
+    def end_without_token(self, request: Request) -> Finish:
+        """A sequence whose masks (allowed_token_ids, bad words, min_tokens, its grammar) left no
+        token to sample this step ends as "abort", its text so far kept."""
+        logger.warning("sequence %d: its allowed_token_ids, bad_words, min_tokens or grammar leave no token to "
+                       "sample; ending it", request.seq_id)
+        state = self._state(request)
+        state.finish, state.finished_time = Finish("abort"), time.time()
+        return state.finish
 
     def record_prompt_logprobs(self, entries: list[tuple[int, int, RawLogprobs]]) -> None:
         """(seq_id, position, logprobs) of prompt tokens scored in a step."""

@@ -11,6 +11,7 @@ min-p, top-k, top-p and sampling (vLLM's order).
 """
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -118,12 +119,25 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias
     )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [rows] int64
+    rows_without_tokens: list[int]  # rows whose masks left no token: their entry in tokens means nothing
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> Sampled:
     """Token ids [rows] from logits [rows, vocab] in the model's dtype (modified in place).
 
     Greedy rows without penalties or biases need no fp32 copy: masking with -inf and argmax
     are exact in bf16. Everything else works on an fp32 copy.
     """
+    tokens, masked_logits = _sample(logits, batch, generator)
+    return Sampled(tokens, _rows_without_tokens(masked_logits, tokens, batch))
+
+
+def _sample(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens, and the logits after every mask, bias and penalty (before temperature)."""
     if not batch.all_greedy or batch.penalties is not None or batch.bias is not None:
         logits = logits.float()
     for row, token_ids in batch.allowed:
@@ -140,7 +154,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         _apply_masks(logits, *batch.masked)
     greedy_tokens = argmax(logits)
     if batch.all_greedy:
-        return greedy_tokens
+        return greedy_tokens, logits
+    masked_logits = logits
     greedy = batch.temperatures == 0
     logits = logits / torch.where(greedy, 1.0, batch.temperatures).unsqueeze(1)
     # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
@@ -152,7 +167,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     probs = torch.softmax(logits, dim=-1)
     noise = _exponential_noise(probs, batch.generators, generator)
     sampled = argmax(probs / noise)
-    return torch.where(greedy, greedy_tokens, sampled)
+    return torch.where(greedy, greedy_tokens, sampled), masked_logits
+
+
+def _rows_without_tokens(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    """Masked rows whose every logit is -inf (allowed_token_ids against bad words, say): the
+    argmax of such a row, or of its NaN probabilities, picks a token at -inf. Only rows some
+    mask touched are read: one logit each."""
+    rows = {row for row, _ in batch.allowed} | {row for row, _ in batch.suppressed}
+    if batch.masked is not None:
+        rows.update(batch.masked[0])
+    if not rows:
+        return []
+    index = torch.tensor(sorted(rows), device=logits.device)
+    stuck = torch.isneginf(logits[index, tokens[index]]).nonzero().flatten()
+    return index[stuck].tolist()
 
 
 def _apply_masks(logits: torch.Tensor, rows: list[int], blocked: torch.Tensor) -> None:

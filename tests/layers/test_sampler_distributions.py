@@ -36,7 +36,7 @@ def _batch(params: list[SamplingParams]) -> SamplingBatch:
 def _draw(logits: list[float], params: list[SamplingParams]) -> torch.Tensor:
     """One token per row of ``params``, every row with ``logits``."""
     batch_logits = torch.tensor(logits, dtype=torch.float32).expand(len(params), -1).clone()
-    return sample(batch_logits, _batch(params), torch.Generator().manual_seed(0))
+    return sample(batch_logits, _batch(params), torch.Generator().manual_seed(0)).tokens
 
 
 def _softmax(logits: list[float], temperature: float = 1.0) -> list[float]:
