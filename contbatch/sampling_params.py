@@ -52,6 +52,8 @@ class SamplingParams:
             (a StructuredOutputsParams, or a dict such as {"choice": ["yes", "no"]})
             (a ``StructuredOutputsParams``).
         skip_special_tokens: leave special tokens out of the text.
+        detokenize: False leaves ``text`` (and logprobs' ``decoded_token``) empty, for callers
+            that read token ids only; stop strings need the text, so they need True.
         logit_bias: {token id: bias} added to those tokens' logits at every step, before the
             penalties (vLLM's order); ids may be decimal strings, as in a JSON object (the
             command line takes one: --logit-bias '{"13": -5}').
@@ -82,6 +84,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     structured_outputs: Any = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -122,9 +125,12 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty, lambda v: 0 < v <= 10, "in (0, 10]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop strings are matched on the text, which detokenize=False leaves out: "
+                             "use stop_token_ids, or detokenize=True")
         self.structured_outputs = _structured_outputs(self.structured_outputs)
         self.logit_bias = _logit_bias(self.logit_bias)
         self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)

@@ -149,3 +149,28 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm, tokenizer):
         cut = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert cut.token_ids == ids[: at + 1] and (cut.finish_reason, cut.stop_reason) == ("stop", ids[at])
         assert cut.text == tokenizer.decode(ids[: at + 1] if include else ids[:at], skip_special_tokens=True)
+
+
+def test_detokenize_false_keeps_the_tokens_and_leaves_the_text_out(llm, tokenizer):
+    prompts = [_chat_ids(tokenizer, q) for q in QUESTIONS[:2]]
+    base = dict(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1, stop_token_ids=[13])
+    with_text = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    without = llm.generate(prompts, SamplingParams(**base, detokenize=False), use_tqdm=False)
+    for a, b in zip(with_text, without):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        assert theirs.token_ids == ours.token_ids and theirs.finish_reason == ours.finish_reason
+        assert ours.text == tokenizer.decode(ours.token_ids, skip_special_tokens=True) != ""
+        assert theirs.text == ""
+        decoded = [lp.decoded_token for step in ours.logprobs for lp in step.values()]
+        assert decoded and all(text is not None for text in decoded)
+        assert all(lp.decoded_token is None for step in theirs.logprobs for lp in step.values())
+        assert all(lp.decoded_token is None for step in b.prompt_logprobs[1:] for lp in step.values())
+        assert [[lp.logprob for lp in step.values()] for step in theirs.logprobs] == \
+            [[lp.logprob for lp in step.values()] for step in ours.logprobs]
+
+
+def test_stop_strings_without_text_are_refused():
+    with pytest.raises(ValueError, match="SamplingParams.stop strings are matched on the text.*detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)
+    with pytest.raises(TypeError, match="SamplingParams.detokenize must be a bool"):
+        SamplingParams(detokenize="no")

@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _SeqOutput:
     stop_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer or with detokenize=False
     logprobs: list[TokenLogprobs] | None
     prompt_logprobs: list[TokenLogprobs | None] | None
+    decode_logprobs: bool = True  # logprobs carry each token's text (detokenize=True)
     cumulative_logprob: float = 0.0
     finish: Finish | None = None
     first_token_time: float | None = None
@@ -60,7 +61,7 @@ class OutputProcessor:
         if request.num_output_tokens == 1:
             state.first_token_time = now
         if state.logprobs is not None and logprobs is not None:
-            state.logprobs.append(self._to_token_logprobs(logprobs))
+            state.logprobs.append(self._to_token_logprobs(logprobs, request.params.detokenize))
             state.cumulative_logprob += logprobs.logprob
         params = request.params
         finish = token_finish(
@@ -96,7 +97,7 @@ class OutputProcessor:
             state = self.seqs.get(seq_id)
             # Positions recomputed after a preemption are already recorded.
             if state is not None and state.prompt_logprobs is not None and position == len(state.prompt_logprobs):
-                state.prompt_logprobs.append(self._to_token_logprobs(raw))
+                state.prompt_logprobs.append(self._to_token_logprobs(raw, state.decode_logprobs))
 
     def start(self, request: Request) -> None:
         """Begin the request's state (its prompt logprobs arrive before any token)."""
@@ -122,7 +123,7 @@ class OutputProcessor:
         if state is None:
             params = request.params
             detokenizer = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             state = self.seqs[request.seq_id] = _SeqOutput(
                 stop_ids=stop_token_ids(params, self.eos_token_ids),
@@ -130,6 +131,7 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] * request.prompt_logprobs_from
                 if params.prompt_logprobs is not None and request.sample_index == 0 else None,
+                decode_logprobs=params.detokenize,
             )
         return state
 
@@ -161,16 +163,16 @@ class OutputProcessor:
             prompt_logprobs=states[0].prompt_logprobs,
         )
 
-    def _to_token_logprobs(self, raw: RawLogprobs) -> TokenLogprobs:
+    def _to_token_logprobs(self, raw: RawLogprobs, decode: bool) -> TokenLogprobs:
         entries = {
-            token: Logprob(value, rank, self._text(token))
+            token: Logprob(value, rank, self._text(token, decode))
             for rank, (token, value) in enumerate(zip(raw.top_ids, raw.top_logprobs), start=1)
         }
-        entries[raw.token_id] = Logprob(raw.logprob, raw.rank, self._text(raw.token_id))
+        entries[raw.token_id] = Logprob(raw.logprob, raw.rank, self._text(raw.token_id, decode))
         return entries
 
-    def _text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
+    def _text(self, token_id: int, decode: bool) -> str | None:
+        if self.tokenizer is None or not decode:
             return None
         text = self._token_text.get(token_id)
         if text is None:
