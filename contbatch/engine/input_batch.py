@@ -35,6 +35,7 @@ class SeqState:
     block_tables: list[list[int]]  # one per KV-cache group
     bad_words_ids: BadWordsIds = ()
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the device, made once
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as (token ids, values), likewise
 
     @property
     def num_output_tokens(self) -> int:
@@ -142,7 +143,7 @@ class InputBatch:
         )
 
     def sampling_batch(self, seqs: list[SeqState], masks: TokenMasks | None) -> SamplingBatch:
-        suppressed, allowed = [], []
+        suppressed, allowed, biases = [], [], []
         for row, s in enumerate(seqs):
             if s.bad_words_ids or s.stops_suppressed:
                 banned = banned_next(s.bad_words_ids, s.token_ids, s.num_output_tokens)
@@ -152,6 +153,8 @@ class InputBatch:
                     suppressed.append((row, banned))
             if s.allowed_ids is not None:
                 allowed.append((row, s.allowed_ids))
+            if s.bias is not None:
+                biases.append((row, *s.bias))
         token_ids = [
             (s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :]) if s.params.has_penalties
             else ([], []) for s in seqs
@@ -161,7 +164,8 @@ class InputBatch:
             rows = {s.seq_id: row for row, s in enumerate(seqs)}
             masked = ([rows[seq_id] for seq_id in masks.seq_ids], masks.blocked)
         return SamplingBatch.build(
-            [s.params for s in seqs], [s.generator for s in seqs], suppressed, masked, token_ids, self.device, allowed
+            [s.params for s in seqs], [s.generator for s in seqs], suppressed, masked, token_ids, self.device,
+            allowed, biases,
         )
 
     def _new_state(self, new: NewSeq) -> SeqState:
@@ -177,7 +181,14 @@ class InputBatch:
             bad_words_ids=new.bad_words_ids,
             allowed_ids=None if new.params.allowed_token_ids is None else torch.tensor(
                 sorted(set(new.params.allowed_token_ids)), dtype=torch.int64, device=self.device),
+            bias=self._bias_tensors(new.params.logit_bias),
         )
+
+    def _bias_tensors(self, logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not logit_bias:
+            return None
+        token_ids = torch.tensor(list(logit_bias), dtype=torch.int64, device=self.device)
+        return token_ids, torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=self.device)
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)

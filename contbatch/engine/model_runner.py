@@ -16,7 +16,7 @@ from contbatch.engine.input_batch import InputBatch, SeqState
 from contbatch.engine.kv_cache import KVCacheSpec
 from contbatch.engine.scheduler_output import SchedulerOutput
 from contbatch.layers.logprobs import RawLogprobs, compute_logprobs
-from contbatch.layers.sampler import TokenMasks, sample
+from contbatch.layers.sampler import SamplerScratch, TokenMasks, sample
 
 PROMPT_LOGPROBS_CHUNK = 256
 
@@ -64,6 +64,7 @@ class ModelRunner:
         self.batch = InputBatch(cache_spec.block_size, len(cache_spec.groups), eos_token_ids, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.sampler_scratch = SamplerScratch()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, masks: TokenMasks | None = None) -> RunnerOutput:
@@ -86,7 +87,9 @@ class ModelRunner:
             return result
         wants_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logits = sample_logits[wants_logprobs].float() if wants_logprobs else None  # a copy
-        tokens, rows_without_tokens = sample(sample_logits, self.batch.sampling_batch(seqs, masks), self.generator)
+        tokens, rows_without_tokens = sample(
+            sample_logits, self.batch.sampling_batch(seqs, masks), self.generator, self.sampler_scratch
+        )
         if raw_logits is not None:
             chosen = tokens[wants_logprobs]
             ks = [seqs[i].params.logprobs for i in wants_logprobs]

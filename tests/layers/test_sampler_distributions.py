@@ -96,8 +96,8 @@ def _assert_drawn_from(tokens: torch.Tensor, expected: list[float]) -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
 def test_temperature_samples_the_softmax_of_the_scaled_logits(temperature):
-    """temperature 1 is the exponential race itself: argmax of probs / Exp(1) noise draws
-    each token with its softmax probability, a 0.2% token included."""
+    """temperature 1 is the inverse-CDF draw itself: each token drawn with its softmax
+    probability, a 0.2% token included."""
     logits = SPREAD[:5] + [-3.0, 0.0, 1.0]
     tokens = _draw(logits, [SamplingParams(temperature=temperature)] * ROWS)
     _assert_drawn_from(tokens, _softmax(logits, temperature))
@@ -167,3 +167,31 @@ def test_min_p_before_top_p_as_vllm_orders_them():
     expected = _top_p(_min_p(PROBS, 0.2), 0.8)
     assert sum(p > 0 for p in expected) == 2 and sum(p > 0 for p in _min_p(_top_p(PROBS, 0.8), 0.2)) == 3
     _assert_drawn_from(_draw(LOGITS, [params] * ROWS), expected)
+
+
+# A vocabulary of several of the sampler's blocks and a part-block (1,000 tokens), with
+# probabilities spread over all of it: the cases above fit in one block and in the first
+# top-k/top-p candidates, these do not.
+WIDE = [float(v) for v in torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 1.5]
+
+
+def _draw_wide(params: SamplingParams) -> torch.Tensor:
+    return _draw(WIDE, [params] * ROWS)
+
+
+def test_a_vocabulary_of_several_blocks_is_drawn_from_exactly():
+    _assert_drawn_from(_draw_wide(SamplingParams(temperature=1.0)), _softmax(WIDE))
+
+
+def test_top_p_past_the_first_candidates():
+    """top_p 0.9 of this distribution needs hundreds of tokens: more than the first candidates."""
+    expected = _top_p(_softmax(WIDE, 0.9), 0.9)
+    assert sum(p > 0 for p in expected) > 300
+    _assert_drawn_from(_draw_wide(SamplingParams(temperature=0.9, top_p=0.9)), expected)
+
+
+def test_a_large_top_k_then_top_p():
+    """top-p's mass is measured among the 300 that top-k keeps, which are more than the first candidates."""
+    expected = _top_p(_top_k(_softmax(WIDE), 300), 0.8)
+    assert 64 < sum(p > 0 for p in expected) < 300
+    _assert_drawn_from(_draw_wide(SamplingParams(top_k=300, top_p=0.8)), expected)
