@@ -115,8 +115,7 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
         _check_int("n", self.n, lambda v: 1 <= v <= MAX_INT64, ">= 1 and <= 2**63 - 1")
         self.stop = _stop_strings(self.stop)
         for name in ("logprobs", "prompt_logprobs"):
@@ -171,8 +170,7 @@ def _allowed_token_ids(token_ids: object) -> list[int] | None:
         return None
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         raise ValueError(f"SamplingParams.allowed_token_ids must be None or a non-empty list of token ids, got {token_ids!r}")
-    for token_id in token_ids:
-        _check_int("allowed_token_ids", token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")
+    _check_token_ids("allowed_token_ids", token_ids)
     return list(token_ids)
 
 
@@ -219,6 +217,11 @@ def _check_number(name: str, value: object, ok, allowed: str) -> None:
         raise TypeError(f"SamplingParams.{name} must be a number {allowed}, got {value!r}")
     if not ok(value):
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _check_token_ids(name: str, token_ids: list | tuple) -> None:
+    for token_id in token_ids:
+        _check_int(name, token_id, lambda v: 0 <= v <= MAX_INT64, "in [0, 2**63 - 1] (each id)")
 
 
 def _check_int(name: str, value: object, ok, allowed: str) -> None:

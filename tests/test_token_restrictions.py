@@ -145,8 +145,8 @@ def test_streamed_prompts_are_truncated_too(tiny_llm):
 @pytest.mark.parametrize(
     ("restriction", "message"),
     [
-        ({"logit_bias": {TINY_VOCAB: 1.0}}, "logit_bias must hold token ids in \\[0, "),
-        ({"allowed_token_ids": [3, TINY_VOCAB + 5]}, "allowed_token_ids must hold token ids in \\[0, "),
+        ({"logit_bias": {TINY_VOCAB: 1.0}}, "logit_bias must be token ids in \\[0, "),
+        ({"allowed_token_ids": [3, TINY_VOCAB + 5]}, "allowed_token_ids must be token ids in \\[0, "),
         ({"truncate_prompt_tokens": 128}, "truncate_prompt_tokens must be None, -1 or in \\[1, 127\\]"),
         ({"bad_words": ["cat"]}, "bad_words need a tokenizer"),
         ({"allowed_token_ids": [2], "min_tokens": 2, "max_tokens": 4}, "every allowed token ends the request"),

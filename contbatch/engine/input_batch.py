@@ -145,9 +145,10 @@ class InputBatch:
     def sampling_batch(self, seqs: list[SeqState], masks: TokenMasks | None) -> SamplingBatch:
         suppressed, allowed, biases = [], [], []
         for row, s in enumerate(seqs):
-            if s.bad_words_ids or s.stops_suppressed:
+            stops_suppressed = s.stops_suppressed
+            if s.bad_words_ids or stops_suppressed:
                 banned = banned_next(s.bad_words_ids, s.token_ids, s.num_output_tokens)
-                if s.stops_suppressed:
+                if stops_suppressed:
                     banned.extend(s.stop_ids)
                 if banned:
                     suppressed.append((row, banned))

@@ -68,10 +68,6 @@ class LLMEngine:
         place sampling parameters are checked against the engine; every input path calls it
         before any work."""
         params.validate()
-        vocab_size = self.model_config.vocab_size
-        outside = [token_id for token_id in params.stop_token_ids if token_id >= vocab_size]
-        if outside:
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids in [0, {vocab_size}), got {outside}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
@@ -81,12 +77,14 @@ class LLMEngine:
         self._check_token_restrictions(params)
 
     def _check_token_restrictions(self, params: SamplingParams) -> None:
-        """logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens against this model."""
+        """Token ids (stop_token_ids, logit_bias, allowed_token_ids), bad_words and
+        truncate_prompt_tokens against this model."""
         vocab_size = self.model_config.vocab_size
-        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                                ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = sorted(token_id for token_id in token_ids if token_id >= vocab_size)
             if outside:
-                raise ValueError(f"SamplingParams.{name} must hold token ids in [0, {vocab_size}), got {outside[:10]}")
+                raise ValueError(f"SamplingParams.{name} must be token ids in [0, {vocab_size}), got {outside[:10]}")
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")

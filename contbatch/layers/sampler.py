@@ -166,10 +166,12 @@ def sample(
     uniform = _uniforms(batch.generators, generator).to(weights.device)
     sampled = torch.empty_like(greedy_tokens)
     narrowed = (batch.top_k > 0) | (batch.top_p < 1)
-    for rows, draw in ((narrowed.nonzero().flatten(), _draw_top), ((~narrowed).nonzero().flatten(), _draw)):
-        if rows.numel():
-            args = (batch.top_k[rows], batch.top_p[rows]) if draw is _draw_top else ()
-            sampled[rows] = draw(_take_rows(weights, rows), uniform[rows], *args)
+    top_rows, whole_rows = narrowed.nonzero().flatten(), (~narrowed).nonzero().flatten()
+    if top_rows.numel():
+        sampled[top_rows] = _draw_top(_take_rows(weights, top_rows), uniform[top_rows], batch.top_k[top_rows],
+                                      batch.top_p[top_rows])
+    if whole_rows.numel():
+        sampled[whole_rows] = _draw(_take_rows(weights, whole_rows), uniform[whole_rows])
     tokens = torch.where(greedy, greedy_tokens, sampled)
     return Sampled(tokens, _rows_without_tokens(weights, tokens, batch, lambda chosen: ~(chosen > 0)))
 
@@ -220,10 +222,10 @@ def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch
 def _apply_min_p(weights: torch.Tensor, min_p: torch.Tensor) -> None:
     """Zero the weights below min_p (the largest weight of a row is 1), a row at a time in
     place: a [rows, vocab] mask would cost a pass and an allocation more."""
-    for row, value in enumerate(min_p.tolist()):
+    below = torch.nextafter(min_p, torch.tensor(-1.0, device=min_p.device))  # threshold_ keeps weight > below
+    for row, (value, threshold) in enumerate(zip(min_p.tolist(), below.tolist())):
         if value > 0:
-            below = torch.nextafter(torch.tensor(value), torch.tensor(-1.0)).item()  # keeps weight >= min_p
-            torch.nn.functional.threshold_(weights[row], below, 0.0)
+            torch.nn.functional.threshold_(weights[row], threshold, 0.0)
 
 
 def _uniforms(generators: list[torch.Generator | None], generator: torch.Generator | None) -> torch.Tensor:
