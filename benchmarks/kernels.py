@@ -8,11 +8,12 @@ contexts 128 to 4096, in bf16 and fp32; at context 512 with each sequence's bloc
 Achieved bandwidth counts the K/V bytes read, set against a large tensor copy measured in
 the same run (read + write bytes). Small batches rotate over copies on disjoint blocks, at
 least 256 MiB in all, so that K/V come from DRAM as in a real model with many layers, not
-from the CPU caches. Also one prefill batch, reshape_and_cache, and the greedy sampler's
-argmax_rows over SmolLM2's 49,152-token vocabulary. Prints a markdown table; --out FILE
+from the CPU caches. Also one prefill batch, reshape_and_cache, and the sampler's
+argmax_rows and sample_rows over SmolLM2's 49,152-token vocabulary. Prints a markdown table; --out FILE
 writes it to FILE too.
 
     python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
+    python benchmarks/kernels.py --sampler                          # the sampler's ops only
     python benchmarks/kernels.py --kv-cache-dtype int8 [--quick]   # int8 caches (kv_cache_dtype="int8")
 
 With --kv-cache-dtype int8 the caches hold the same values in int8 rows (values and a
@@ -138,6 +139,31 @@ def argmax_rows_row(dtype: torch.dtype, rows: int) -> dict:
                 compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
 
 
+SAMPLER_SETTINGS = {  # (temperature, top_k, top_p)
+    "temperature 0.8": (0.8, 0, 1.0),
+    "top_k 40, top_p 0.95": (0.8, 40, 0.95),
+    "top_p 0.9": (0.8, 0, 0.9),  # random logits: a nucleus of thousands of tokens, the selection by mass
+}
+
+
+def sample_rows_row(dtype: torch.dtype, rows: int, setting: str) -> dict:
+    """The sampler's draw over logits with a spread like a model's (standard deviation 3)."""
+    temperature, top_k, top_p = SAMPLER_SETTINGS[setting]
+    logits = (torch.randn(rows, VOCAB_SIZE) * 3).to(dtype)
+    out = torch.empty(rows, dtype=torch.int64)
+    args = (torch.full((rows,), temperature), torch.full((rows,), top_k, dtype=torch.int64),
+            torch.full((rows,), top_p), torch.zeros(rows), torch.rand(rows, dtype=torch.float64))
+    compiled = time_call(lambda: torch.ops.contbatch.sample_rows(out, logits, *args), min_seconds=0.2)
+    ref = time_call(lambda: reference.sample_rows(out, logits.clone(), *args), min_seconds=0.2, max_iters=5)
+    return dict(op=f"sample_rows {rows} x {VOCAB_SIZE}, {setting}", dtype=str(dtype).removeprefix("torch."),
+                compiled_ms=compiled * 1e3, reference_ms=ref * 1e3, speedup=ref / compiled)
+
+
+def sampler_rows(dtype: torch.dtype) -> list[dict]:
+    rows = [argmax_rows_row(dtype, num_rows) for num_rows in (1, 256)]
+    return rows + [sample_rows_row(dtype, 256, setting) for setting in SAMPLER_SETTINGS]
+
+
 def markdown(rows: list[dict], copy_gbs: float) -> str:
     lines = [
         f"Copy bandwidth (512 MiB tensor copy, read + write): {copy_gbs:.1f} GB/s. "
@@ -167,11 +193,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="bf16 only, contexts up to 1024")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                         help="the caches in the query dtype, or in int8 rows")
+    parser.add_argument("--sampler", action="store_true", help="only the sampler's ops (argmax_rows, sample_rows)")
     parser.add_argument("--update-docs", action="store_true",
                         help="rewrite this kind of CPU's kernels section of docs/performance.md")
     args = parser.parse_args()
     from contbatch import _C  # noqa: F401  (fails loudly when the extension is not built)
 
+    if args.sampler:
+        rows = [row for dtype in (torch.bfloat16, torch.float32) for row in sampler_rows(dtype)]
+        print(f"CPU: {cpu_description()}.\n")
+        print(markdown(rows, copy_bandwidth()))
+        return
     copy_gbs = copy_bandwidth()
     int8 = args.kv_cache_dtype == "int8"
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
@@ -191,8 +223,8 @@ def main() -> None:
         rows.append(attention_row(cache, "prefill 8 x 200 tokens", [200] * 8, [200] * 8, copy_gbs))
         for num_tokens in (32, 256, 4096):
             rows.append(reshape_and_cache_row(cache, num_tokens))
-        for num_rows in () if int8 else (1, 256):
-            rows.append(argmax_rows_row(dtype, num_rows))
+        if not int8:
+            rows += sampler_rows(dtype)
         del cache
         for block_size in LARGER_BLOCK_SIZES:
             cache = Cache(dtype, 256 * 1024, block_size, int8=int8)

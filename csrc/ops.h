@@ -28,6 +28,11 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, at::Te
                           const at::Tensor& sin);
 // out[r] = index of the first maximum of logits[r] (NaN largest), as torch.max(dim=-1); CPU only.
 void argmax_rows_cpu(at::Tensor& out, const at::Tensor& logits);
+// out[r] = a token drawn from logits[r] by temperature, min-p, top-k and top-p (temperature 0:
+// argmax) with uniform[r]; -1 where every token is masked out. CPU only.
+void sample_rows_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
+                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                     const at::Tensor& uniform);
 
 // bf16 linear over panel-packed weights (csrc/cpu/linear_kernel_api.h), CPU only.
 void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,

@@ -19,6 +19,9 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def(
+      "sample_rows(Tensor(a!) out, Tensor logits, Tensor temperatures, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor uniform) -> ()");
   m.def("bf16_linear(Tensor(a!) out, Tensor input, Tensor packed_weight, Tensor? bias) -> ()");
   m.def("int8_quantize_rows(Tensor input, int block) -> (Tensor, Tensor)");
   m.def(
@@ -48,6 +51,7 @@ TORCH_LIBRARY_IMPL(contbatch, CPU, m) {
   m.impl("silu_and_mul", &contbatch::silu_and_mul_cpu);
   m.impl("rotary_embedding", &contbatch::rotary_embedding_cpu);
   m.impl("argmax_rows", &contbatch::argmax_rows_cpu);
+  m.impl("sample_rows", &contbatch::sample_rows_cpu);
   m.impl("bf16_linear", &contbatch::bf16_linear_cpu);
   m.impl("int8_quantize_rows", &contbatch::int8_quantize_rows_cpu);
   m.impl("int8_linear", &contbatch::int8_linear_cpu);

@@ -3,15 +3,14 @@
 Vectorised over the batch; only seeded rows draw their uniform one by one, from
 their own generator, so a seeded request samples the same tokens whatever else
 shares its batch. A sampled row draws one uniform and takes the token where it falls in
-the row's cumulative weights (inverse CDF, over sums of blocks and then within one block):
-exact sampling, one pass over the vocabulary, and no noise per token.
+the row's cumulative weights (inverse CDF, over sums of blocks and then within one block:
+``ops.sample_rows``): exact sampling, one pass over the vocabulary, and no noise per token.
 
 Order of operations on the logits: allowed_token_ids, then bad words and min_tokens
 suppression, logit_bias, penalties, grammar masks, then greedy argmax or temperature,
 min-p, top-k, top-p and sampling (vLLM's order).
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -127,8 +126,9 @@ class Sampled(NamedTuple):
 
 
 class SamplerScratch:
-    """The fp32 buffer the sampler copies a step's logits into, kept from step to step by its
-    owner (the model runner): a fresh [rows, vocab] tensor each step is faulted in page by page
+    """The fp32 buffer the sampler copies a step's logits into when penalties or biases need
+    them in fp32, kept from step to step by its owner (the model runner): a fresh [rows, vocab]
+    tensor each step is faulted in page by page
     (50 MB for 256 rows of a 49k vocabulary, ~20 ms on this project's VMs), more than the
     arithmetic on it."""
 
@@ -150,35 +150,27 @@ def sample(
 ) -> Sampled:
     """Token ids [rows] from logits [rows, vocab] in the model's dtype (modified in place).
 
-    Greedy rows without penalties or biases need no fp32 copy: masking with -inf and argmax
-    are exact in bf16. Everything else works on an fp32 copy (in ``scratch`` if given).
-    Sampled rows draw by inverse CDF from one uniform each; top-k and top-p select among
-    each row's largest weights instead of sorting the vocabulary.
+    Masks (-inf) and argmax are exact in bf16, and so are the weights the sampling op computes
+    from bf16 logits in fp32: only penalties and biases need an fp32 copy of the logits (in
+    ``scratch`` if given). Sampled rows draw by inverse CDF from one uniform each
+    (``ops.sample_rows``: one fused kernel a row on the CPU).
     """
     logits = _restricted_logits(logits, batch, scratch)
-    greedy_tokens = argmax(logits)
     if batch.all_greedy:
-        return Sampled(greedy_tokens, _rows_without_tokens(logits, greedy_tokens, batch, torch.isneginf))
-    greedy = batch.temperatures == 0
-    weights = _tempered_weights(logits, torch.where(greedy, 1.0, batch.temperatures))
-    # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
-    _apply_min_p(weights, batch.min_p)
-    uniform = _uniforms(batch.generators, generator).to(weights.device)
-    sampled = torch.empty_like(greedy_tokens)
-    narrowed = (batch.top_k > 0) | (batch.top_p < 1)
-    top_rows, whole_rows = narrowed.nonzero().flatten(), (~narrowed).nonzero().flatten()
-    if top_rows.numel():
-        sampled[top_rows] = _draw_top(_take_rows(weights, top_rows), uniform[top_rows], batch.top_k[top_rows],
-                                      batch.top_p[top_rows])
-    if whole_rows.numel():
-        sampled[whole_rows] = _draw(_take_rows(weights, whole_rows), uniform[whole_rows])
-    tokens = torch.where(greedy, greedy_tokens, sampled)
-    return Sampled(tokens, _rows_without_tokens(weights, tokens, batch, lambda chosen: ~(chosen > 0)))
+        tokens = argmax(logits)
+        return Sampled(tokens, _rows_without_tokens(logits, tokens, batch))
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    uniform = _uniforms(batch.generators, generator).to(logits.device)
+    ops.sample_rows(tokens, logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, uniform)
+    without = tokens < 0
+    if not bool(without.any()):
+        return Sampled(tokens, [])
+    return Sampled(tokens.clamp_(min=0), without.nonzero().flatten().tolist())
 
 
 def _restricted_logits(logits: torch.Tensor, batch: SamplingBatch, scratch: SamplerScratch | None) -> torch.Tensor:
     """The logits after allowed ids, bad words and min_tokens, biases, penalties and grammar masks."""
-    if not batch.all_greedy or batch.penalties is not None or batch.bias is not None:
+    if batch.penalties is not None or batch.bias is not None:
         logits = scratch.fp32_copy(logits) if scratch is not None and logits.dtype != torch.float32 else logits.float()
     for row, token_ids in batch.allowed:
         kept = logits[row, token_ids]
@@ -195,37 +187,17 @@ def _restricted_logits(logits: torch.Tensor, batch: SamplingBatch, scratch: Samp
     return logits
 
 
-def _rows_without_tokens(
-    values: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch, forbidden: Callable[[torch.Tensor], torch.Tensor]
-) -> list[int]:
-    """Masked rows whose token's value (logit or weight) is ``forbidden`` (-inf, or not above 0):
-    only a row its masks left without any token gets one (the argmax of an all -inf row, or a
-    draw from no weight). Only rows some mask touched are read: one value each."""
+def _rows_without_tokens(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    """Greedy rows whose argmax is -inf: only a row its masks left without any token gets one.
+    Only rows some mask touched are read: one logit each."""
     rows = {row for row, _ in batch.allowed} | {row for row, _ in batch.suppressed}
     if batch.masked is not None:
         rows.update(batch.masked[0])
     if not rows:
         return []
     index = torch.tensor(sorted(rows), device=tokens.device)
-    stuck = forbidden(values[index, tokens[index]]).nonzero().flatten()
+    stuck = logits[index, tokens[index]].isneginf().nonzero().flatten()
     return index[stuck].tolist()
-
-
-def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """exp((logits - row max) / temperature), in place on an fp32 copy the sampler owns: the
-    unnormalised probabilities, 1 at each row's most likely token. Every pass over [rows, vocab]
-    counts here (a step with 256 rows of a 49k vocabulary has 12.6M of them), so no softmax."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    return logits.sub_(row_max).div_(temperatures.unsqueeze(1)).exp_()
-
-
-def _apply_min_p(weights: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Zero the weights below min_p (the largest weight of a row is 1), a row at a time in
-    place: a [rows, vocab] mask would cost a pass and an allocation more."""
-    below = torch.nextafter(min_p, torch.tensor(-1.0, device=min_p.device))  # threshold_ keeps weight > below
-    for row, (value, threshold) in enumerate(zip(min_p.tolist(), below.tolist())):
-        if value > 0:
-            torch.nn.functional.threshold_(weights[row], threshold, 0.0)
 
 
 def _uniforms(generators: list[torch.Generator | None], generator: torch.Generator | None) -> torch.Tensor:
@@ -236,78 +208,6 @@ def _uniforms(generators: list[torch.Generator | None], generator: torch.Generat
         if row_generator is not None:
             uniform[row] = torch.rand(1, generator=row_generator, dtype=torch.float64)
     return uniform
-
-
-def _take_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """weights[rows], without the copy when rows are all of them in order (one SamplingParams for all)."""
-    return weights if rows.numel() == weights.shape[0] else weights[rows]
-
-
-TOP_CANDIDATES = 64
-
-
-def _draw_top(weights: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Rows with top-k or top-p: drawn among each row's largest weights (a partial selection,
-    not a sort of the vocabulary): the k most likely, then the smallest prefix of those whose
-    mass reaches top_p of theirs. A top-p prefix not found among the first candidates is
-    looked for among 8 times as many."""
-    vocab = weights.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    tokens = torch.empty(weights.shape[0], dtype=torch.int64, device=weights.device)
-    pending = torch.arange(weights.shape[0], device=weights.device)
-    candidates = max(TOP_CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0)
-    while pending.numel():
-        candidates = min(candidates, vocab)
-        rows = _take_rows(weights, pending)
-        values, token_ids = rows.topk(candidates, dim=-1)  # descending
-        row_k, row_p = k[pending].unsqueeze(1), top_p[pending].unsqueeze(1)
-        ranks = torch.arange(candidates, device=weights.device)
-        values = values.masked_fill_(ranks >= row_k, 0.0)
-        mass = torch.where(row_k <= candidates, values.sum(dim=-1, keepdim=True), rows.sum(dim=-1, keepdim=True))
-        reached = values.cumsum(dim=-1) >= row_p * mass
-        any_reached = reached.any(dim=-1, keepdim=True)
-        # Every token a candidate and top_p not reached (rounding): all of them stay.
-        first_reached = torch.where(any_reached, reached.int().argmax(dim=-1, keepdim=True), candidates - 1)
-        last = torch.where(row_p >= 1, row_k - 1, first_reached)
-        found = ((row_p >= 1) | any_reached | (candidates == vocab)).flatten()
-        values = values.masked_fill_(ranks > last, 0.0)
-        picked = _inverse_cdf(values[found], uniform[pending[found]])
-        tokens[pending[found]] = token_ids[found].gather(1, picked.unsqueeze(1)).flatten()
-        pending, candidates = pending[~found], candidates * 8
-    return tokens
-
-
-def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """[rows] column of each row with probability weight / row sum, for a uniform per row: the
-    first column whose cumulative weight passes uniform x the total, in float64 so that the
-    target never reaches the total. Rounding can leave it past the last column of weight:
-    then that column."""
-    cdf = weights.double().cumsum(dim=-1)
-    target = (uniform * cdf[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
-    columns = torch.arange(weights.shape[-1], device=weights.device)
-    last_positive = torch.where(weights > 0, columns, 0).amax(dim=-1, keepdim=True)
-    return torch.where(weights.gather(1, picked) > 0, picked, last_positive).flatten()
-
-
-DRAW_BLOCK = 256
-
-
-def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row with probability weight / row sum: the inverse CDF in two levels, sums
-    of blocks of DRAW_BLOCK tokens (one pass over the vocabulary), then the chosen block."""
-    rows, vocab = weights.shape
-    whole = vocab // DRAW_BLOCK * DRAW_BLOCK
-    block_sums = weights[:, :whole].reshape(rows, -1, DRAW_BLOCK).sum(dim=-1)
-    if whole < vocab:
-        block_sums = torch.cat([block_sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
-    block = _inverse_cdf(block_sums, uniform).unsqueeze(1)
-    block_cdf = block_sums.double().cumsum(dim=-1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    within = ((uniform.unsqueeze(1) * block_cdf[:, -1:] - before) / block_sums.gather(1, block).double()).flatten()
-    columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
-    in_block = torch.where(columns < vocab, weights.gather(1, columns.clamp(max=vocab - 1)), 0.0)
-    return (block.flatten() * DRAW_BLOCK + _inverse_cdf(in_block, within.clamp(0.0, 1.0 - 2**-53))).clamp_(max=vocab - 1)
 
 
 def _apply_masks(logits: torch.Tensor, rows: list[int], blocked: torch.Tensor) -> None:

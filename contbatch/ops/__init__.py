@@ -1,7 +1,7 @@
 """Cache and attention ops: the compiled ``contbatch._C`` kernels when built, else the reference.
 
 The compiled extension registers ``torch.ops.contbatch.*`` (cache and attention ops, the
-fused layer ops, the sampler's argmax_rows, bf16_linear) with the same signatures and
+fused layer ops, the sampler's argmax_rows and sample_rows, bf16_linear) with the same signatures and
 semantics as :mod:`contbatch.ops.reference`.
 """
 
@@ -51,7 +51,7 @@ else:
 
 
 def _native_on_cpu(name: str):
-    """The fused layer ops and argmax_rows have CPU kernels only: tensors elsewhere take the reference."""
+    """The fused layer ops and the sampler's have CPU kernels only: tensors elsewhere take the reference."""
     native, fallback = getattr(_native, name), getattr(reference, name)
 
     def op(*args):
@@ -61,11 +61,13 @@ def _native_on_cpu(name: str):
     return op
 
 
-ROW_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "argmax_rows")
+ROW_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "argmax_rows", "sample_rows")
 if _native is not None:
-    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows = map(_native_on_cpu, ROW_OPS)
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows, sample_rows = map(_native_on_cpu, ROW_OPS)
 else:
-    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows = (getattr(reference, n) for n in ROW_OPS)
+    rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, argmax_rows, sample_rows = (
+        getattr(reference, n) for n in ROW_OPS
+    )
 
 
 CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16")

@@ -181,6 +181,138 @@ def argmax_rows(out: torch.Tensor, logits: torch.Tensor) -> None:
     torch.max(logits, dim=-1, out=(torch.empty_like(out, dtype=logits.dtype), out))
 
 
+def sample_rows(
+    out: torch.Tensor,
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> None:
+    """out[r] = a token drawn from logits[r] (fp32 logits are modified in place), -1 where every
+    token is masked out (-inf) or the row's maximum is +inf.
+
+    Temperature 0: the argmax. Otherwise weights e^((logit - row max) / temperature), min-p
+    (keeps the weights >= min_p; the largest is 1), then top-k (0: off) and top-p (1: off):
+    the k largest weights, then the smallest prefix of them, largest first, whose mass reaches
+    top_p of theirs (of the row's, without top-k); of equal weights at the cut, the native
+    kernel keeps the lower token ids, this reference those torch.topk lists first. The token is where uniform[r] (float64
+    in [0, 1)) of the remaining mass falls, in token-id order."""
+    greedy = temperatures == 0
+    argmax_rows(out, logits)
+    greedy_without_token = greedy & logits.gather(1, out.unsqueeze(1)).flatten().isneginf()
+    if bool(greedy.all()):
+        out.masked_fill_(greedy_without_token, -1)
+        return
+    weights = logits.float()
+    row_max = weights.amax(dim=-1)
+    no_number = ~(row_max > float("-inf")) | (row_max == float("inf"))
+    weights = _tempered_weights(weights, torch.where(greedy, 1.0, temperatures))
+    # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
+    _apply_min_p(weights, min_p)
+    sampled = torch.empty_like(out)
+    narrowed = (top_k > 0) | (top_p < 1)
+    top_rows, whole_rows = narrowed.nonzero().flatten(), (~narrowed).nonzero().flatten()
+    if top_rows.numel():
+        sampled[top_rows] = _draw_top(_take_rows(weights, top_rows), uniform[top_rows], top_k[top_rows], top_p[top_rows])
+    if whole_rows.numel():
+        sampled[whole_rows] = _draw(_take_rows(weights, whole_rows), uniform[whole_rows])
+    sampled_without_token = no_number | ~(weights.gather(1, sampled.unsqueeze(1)).flatten() > 0)
+    out.copy_(torch.where(greedy, out, sampled))
+    out.masked_fill_(torch.where(greedy, greedy_without_token, sampled_without_token), -1)
+
+
+def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """exp((logits - row max) / temperature) in place on fp32 logits, 0 for NaN: the
+    unnormalised probabilities, 1 at each row's most likely token (no softmax: one pass less)."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    return logits.sub_(row_max).div_(temperatures.unsqueeze(1)).exp_().nan_to_num_(nan=0.0)
+
+
+def _apply_min_p(weights: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Zero the weights below min_p (the largest weight of a row is 1), a row at a time in
+    place: a [rows, vocab] mask would cost a pass and an allocation more."""
+    below = torch.nextafter(min_p, torch.tensor(-1.0, device=min_p.device))  # threshold_ keeps weight > below
+    for row, (value, threshold) in enumerate(zip(min_p.tolist(), below.tolist())):
+        if value > 0:
+            torch.nn.functional.threshold_(weights[row], threshold, 0.0)
+
+
+def _take_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """weights[rows], without the copy when rows are all of them in order (one SamplingParams for all)."""
+    return weights if rows.numel() == weights.shape[0] else weights[rows]
+
+
+TOP_CANDIDATES = 64
+
+
+def _draw_top(weights: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k or top-p: drawn among each row's largest weights (a partial selection,
+    not a sort of the vocabulary): the k most likely, then the smallest prefix of those whose
+    mass reaches top_p of theirs. A top-p prefix not found among the first candidates is
+    looked for among 8 times as many."""
+    vocab = weights.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    tokens = torch.empty(weights.shape[0], dtype=torch.int64, device=weights.device)
+    pending = torch.arange(weights.shape[0], device=weights.device)
+    candidates = max(TOP_CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0)
+    while pending.numel():
+        candidates = min(candidates, vocab)
+        rows = _take_rows(weights, pending)
+        values, token_ids = rows.topk(candidates, dim=-1)  # descending
+        row_k, row_p = k[pending].unsqueeze(1), top_p[pending].unsqueeze(1)
+        ranks = torch.arange(candidates, device=weights.device)
+        values = values.masked_fill_(ranks >= row_k, 0.0)
+        mass = torch.where(row_k <= candidates, values.sum(dim=-1, keepdim=True), rows.sum(dim=-1, keepdim=True))
+        reached = values.cumsum(dim=-1) >= row_p * mass
+        any_reached = reached.any(dim=-1, keepdim=True)
+        # Every token a candidate and top_p not reached (rounding): all of them stay.
+        first_reached = torch.where(any_reached, reached.int().argmax(dim=-1, keepdim=True), candidates - 1)
+        last = torch.where(row_p >= 1, row_k - 1, first_reached)
+        found = ((row_p >= 1) | any_reached | (candidates == vocab)).flatten()
+        values = values.masked_fill_(ranks > last, 0.0)
+        # Drawn in token-id order among the kept: the order does not change the distribution.
+        by_id = token_ids[found].argsort(dim=-1)
+        picked = _inverse_cdf(values[found].gather(1, by_id), uniform[pending[found]])
+        tokens[pending[found]] = token_ids[found].gather(1, by_id.gather(1, picked.unsqueeze(1))).flatten()
+        pending, candidates = pending[~found], candidates * 8
+    return tokens
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[rows] column of each row with probability weight / row sum, for a uniform per row: the
+    first column whose cumulative weight passes uniform x the total, in float64 so that the
+    target never reaches the total. Rounding can leave it past the last column of weight:
+    then that column."""
+    cdf = weights.double().cumsum(dim=-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
+    columns = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, columns, 0).amax(dim=-1, keepdim=True)
+    return torch.where(weights.gather(1, picked) > 0, picked, last_positive).flatten()
+
+
+DRAW_BLOCK = 256
+
+
+def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row with probability weight / row sum: the inverse CDF in two levels, sums
+    of blocks of DRAW_BLOCK tokens (one pass over the vocabulary), then the chosen block."""
+    rows, vocab = weights.shape
+    whole = vocab // DRAW_BLOCK * DRAW_BLOCK
+    block_sums = weights[:, :whole].reshape(rows, -1, DRAW_BLOCK).sum(dim=-1)
+    if whole < vocab:
+        block_sums = torch.cat([block_sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    block = _inverse_cdf(block_sums, uniform).unsqueeze(1)
+    block_cdf = block_sums.double().cumsum(dim=-1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    within = ((uniform.unsqueeze(1) * block_cdf[:, -1:] - before) / block_sums.gather(1, block).double()).flatten()
+    columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=weights.device)
+    in_block = torch.where(columns < vocab, weights.gather(1, columns.clamp(max=vocab - 1)), 0.0)
+    return (block.flatten() * DRAW_BLOCK + _inverse_cdf(in_block, within.clamp(0.0, 1.0 - 2**-53))).clamp_(max=vocab - 1)
+
+
 def bf16_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = x @ weight.T (+ bias) for a weight in the panel layout (ops/panel_layout.py):
     fp32 sums, rounded to out's dtype once, after the bias."""

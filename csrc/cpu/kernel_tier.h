@@ -8,7 +8,7 @@
 #include "linear_tiles.h"
 #include "linear_kernel.h"
 
-constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>};
+constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>, &first_above};
 constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel, kLinearTileRows, &linear_scratch_bytes,
                                                 kVectorRunRows};
 constexpr KernelSet kTierTable{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};

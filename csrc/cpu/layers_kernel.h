@@ -148,6 +148,62 @@ inline int64_t argmax_row(const T* x, int64_t n) {
   return first_index_of(x, n, nan ? NAN : top);
 }
 
+// The sampler's first pass over a row: its largest value, NaN ignored; -inf when every token
+// is masked out.
+template <class T>
+inline float row_max(const T* x, int64_t n) {
+  Vec16 best = vset1(-INFINITY);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) best = vmax(vload(x + i), best);  // NaN lanes keep `best`
+  float top = vreduce_max(best);
+  for (; i < n; ++i) {
+    const float f = load1(x[i]);
+    top = f > top ? f : top;
+  }
+  return top;
+}
+
+// The sampler's second pass: weights[i] = e^((x[i] - top) / temperature), computed as
+// 2^((x[i] - top) * scale) with scale = log2(e) / temperature (1 at the row's maximum), set
+// to 0 where it is not above `floor` (min-p) or x[i] is -inf or NaN; and the sum of each
+// block of kSampleBlock weights, so that a draw reads one block of them, not the row.
+template <class T>
+inline void tempered_weights_row(const T* x, int64_t n, float top, float scale, float floor, float* weights,
+                                 float* block_sums) {
+  const Vec16 vtop = vset1(top), vscale = vset1(scale);
+  for (int64_t begin = 0; begin < n; begin += kSampleBlock) {
+    const int64_t end = n - begin < kSampleBlock ? n : begin + kSampleBlock;
+    Vec16 sum = vzero();
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {  // kSampleBlock is a multiple of kLanes: a tail only at n
+      const Vec16 v = vload(x + i);
+      const Vec16 w = vexp2(vmul(vsub(v, vtop), vscale));
+      const Vec16 kept = vmaskz(vgreater(v, -INFINITY) & vgreater(w, floor), w);
+      vstore(weights + i, kept);
+      sum = vadd(sum, kept);
+    }
+    float total = vreduce_add(sum);
+    for (; i < end; ++i) {
+      const float v = load1(x[i]), w = std::exp2((v - top) * scale);
+      weights[i] = v > -INFINITY && w > floor ? w : 0.0f;
+      total += weights[i];
+    }
+    block_sums[begin / kSampleBlock] = total;
+  }
+}
+
+inline int64_t first_above(const float* x, int64_t begin, int64_t n, float bound) {
+  int64_t i = begin;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Mask16 hit = vgreater(vload(x + i), bound);
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < n; ++i) {
+    if (x[i] > bound) return i;
+  }
+  return n;
+}
+
 template <class T>
 constexpr LayerKernels<T> kLayerKernels{&rms_norm_row<T>, &add_rms_norm_row<T>, &silu_and_mul_row<T>, &rotary_head<T>,
-                                        &argmax_row<T>};
+                                        &argmax_row<T>,   &row_max<T>,          &tempered_weights_row<T>};
