@@ -8,6 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from contbatch import LLM, SamplingParams
+from contbatch.engine.kv_cache import KVCacheSpec
+from contbatch.models.loader import read_config
 from tests.conftest import TINY_VOCAB, HFOracle, assert_greedy_match
 
 LOGPROB_ATOL = 2e-4
@@ -178,6 +180,24 @@ def test_seeded_request_is_identical_alone_and_in_a_batch_of_100(tiny_dir):
     all_params = crowd_params[:50] + [params] + crowd_params[50:]
     in_batch = llm.generate(prompts, all_params, use_tqdm=False)[50].outputs[0].token_ids
     assert in_batch == alone
+
+
+def test_seeded_requests_repeat_their_tokens_when_preempted(tiny_dir):
+    """A preempted request is recomputed from its tokens so far; its random draws must go on
+    from there, not start again. Eight seeded requests under a KV cache of nine blocks (the
+    fewest a 144-token sequence needs) preempt one another; each must give the tokens it gives
+    alone in a cache with room."""
+    prompts = _prompts(8, seed=41, max_len=40)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=60, seed=500 + i, ignore_eos=True)
+              for i in range(8)]
+    roomy = LLM(tiny_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=144)
+    alone = [roomy.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    spec = KVCacheSpec.for_model(read_config(tiny_dir), 16, torch.float32)
+    tight = LLM(tiny_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=144, max_num_seqs=8,
+                kv_cache_memory=9 * spec.bytes_per_block * len(spec.groups))
+    together = [output.outputs[0].token_ids for output in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.stats.num_preemptions > 0, "the small KV cache never forced a preemption"
+    assert together == alone
 
 
 def test_unseeded_sampling_respects_top_k(tiny_llm, hf_tiny):

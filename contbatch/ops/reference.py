@@ -212,7 +212,7 @@ def sample_rows(
     # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
     _apply_min_p(weights, min_p)
     sampled = torch.empty_like(out)
-    narrowed = (top_k > 0) | (top_p < 1)
+    narrowed = ((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1)  # top_k >= vocab: no top-k
     top_rows, whole_rows = narrowed.nonzero().flatten(), (~narrowed).nonzero().flatten()
     if top_rows.numel():
         sampled[top_rows] = _draw_top(_take_rows(weights, top_rows), uniform[top_rows], top_k[top_rows], top_p[top_rows])

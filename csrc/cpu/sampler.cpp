@@ -249,7 +249,7 @@ int64_t sample_row(const cpu::LayerKernels<T>& kernels, FirstAbove first_above, 
   kernels.tempered_weights(x, n, top, 1.4426950408889634f / temperature, floor, scratch.weights.data(),
                            scratch.block_sums.data());
   float* weights = scratch.weights.data();
-  if (top_k > 0 || top_p < 1) {
+  if ((top_k > 0 && top_k < n) || top_p < 1) {  // top_k >= n keeps every token: no top-k
     double row_total = 0.0;
     for (int64_t b = 0; b < blocks; ++b) row_total += scratch.block_sums[b];
     return draw_from_top(weights, n, row_total, top_k, top_p, uniform, first_above, scratch);

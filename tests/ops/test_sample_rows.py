@@ -102,7 +102,8 @@ def test_native_draws_the_inverse_cdf_of_the_defined_distribution(isa, dtype, se
 @given(seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_reference_draws_the_inverse_cdf_of_the_defined_distribution(seed, data):
     logits, *rest = _random_call(data.draw, torch.float32, seed)
-    logits = logits.nan_to_num(nan=float("-inf"))  # the reference's NaN rule is tested by the native test's parity
+    # NaN as -inf (and -inf kept: nan_to_num would make it the lowest float, tying the row's weights).
+    logits = torch.where(logits.isnan(), float("-inf"), logits)
     out = torch.full((logits.shape[0],), -7, dtype=torch.int64)
     reference.sample_rows(out, logits.clone(), *rest)
     _check_rows(out, logits, *rest, where="reference")
@@ -127,6 +128,19 @@ def test_a_whole_vocabulary_matches_the_reference_token_for_token(isa, top_p):
     with cpu_isa(isa):
         native.sample_rows(out, logits, temperatures, top_k, top_p_column, min_p, uniform)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("implementation", ["native", "reference"])
+@pytest.mark.parametrize("top_k", [300, 301, 10_000])
+def test_top_k_at_or_past_the_vocabulary_keeps_every_token(implementation, top_k):
+    """top_k >= the vocabulary is no top-k: equal logits and evenly spread uniforms must reach every
+    token (the reference once drew such rows from their 64 largest weights only)."""
+    rows, n = 600, 300
+    uniform = (torch.arange(rows, dtype=torch.float64) + 0.5) / rows  # never on a boundary: (2i + 1) / 1200 x 300
+    args = (torch.ones(rows), torch.full((rows,), top_k), torch.ones(rows), torch.zeros(rows), uniform)
+    out = torch.empty(rows, dtype=torch.int64)
+    (native.sample_rows if implementation == "native" else reference.sample_rows)(out, torch.zeros(rows, n), *args)
+    assert torch.equal(out, (uniform * n).long())
 
 
 @pytest.mark.parametrize(
