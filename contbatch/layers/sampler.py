@@ -128,9 +128,8 @@ class Sampled(NamedTuple):
 class SamplerScratch:
     """The fp32 buffer the sampler copies a step's logits into when penalties or biases need
     them in fp32, kept from step to step by its owner (the model runner): a fresh [rows, vocab]
-    tensor each step is faulted in page by page
-    (50 MB for 256 rows of a 49k vocabulary, ~20 ms on this project's VMs), more than the
-    arithmetic on it."""
+    tensor each step is faulted in page by page (50 MB for 256 rows of a 49k vocabulary, ~20 ms
+    on this project's VMs), more than the arithmetic on it."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None

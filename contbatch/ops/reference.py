@@ -197,8 +197,8 @@ def sample_rows(
     (keeps the weights >= min_p; the largest is 1), then top-k (0: off) and top-p (1: off):
     the k largest weights, then the smallest prefix of them, largest first, whose mass reaches
     top_p of theirs (of the row's, without top-k); of equal weights at the cut, the native
-    kernel keeps the lower token ids, this reference those torch.topk lists first. The token is where uniform[r] (float64
-    in [0, 1)) of the remaining mass falls, in token-id order."""
+    kernel keeps the lower token ids, this reference those torch.topk lists first. The token
+    is where uniform[r] (float64 in [0, 1)) of the remaining mass falls, in token-id order."""
     greedy = temperatures == 0
     argmax_rows(out, logits)
     greedy_without_token = greedy & logits.gather(1, out.unsqueeze(1)).flatten().isneginf()
@@ -206,9 +206,9 @@ def sample_rows(
         out.masked_fill_(greedy_without_token, -1)
         return
     weights = logits.float()
-    row_max = weights.amax(dim=-1)
-    no_number = ~(row_max > float("-inf")) | (row_max == float("inf"))
-    weights = _tempered_weights(weights, torch.where(greedy, 1.0, temperatures))
+    row_max = weights.amax(dim=-1, keepdim=True)
+    no_number = (~(row_max > float("-inf")) | (row_max == float("inf"))).flatten()
+    weights = _tempered_weights(weights, row_max, torch.where(greedy, 1.0, temperatures))
     # vLLM's order: min-p on the tempered distribution, then top-k and top-p on what it kept.
     _apply_min_p(weights, min_p)
     sampled = torch.empty_like(out)
@@ -223,10 +223,9 @@ def sample_rows(
     out.masked_fill_(torch.where(greedy, greedy_without_token, sampled_without_token), -1)
 
 
-def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def _tempered_weights(logits: torch.Tensor, row_max: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """exp((logits - row max) / temperature) in place on fp32 logits, 0 for NaN: the
     unnormalised probabilities, 1 at each row's most likely token (no softmax: one pass less)."""
-    row_max = logits.amax(dim=-1, keepdim=True)
     return logits.sub_(row_max).div_(temperatures.unsqueeze(1)).exp_().nan_to_num_(nan=0.0)
 
 
