@@ -2,6 +2,7 @@
 
 from contbatch.jobs import run_job
 from contbatch.llm import LLM
+from contbatch.lora import LoRARequest
 from contbatch.outputs import (
     CompletionOutput, GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput,
 )
@@ -12,6 +13,6 @@ from contbatch.scoring import LabelScores, LoglikelihoodOutput
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationInterrupted",
     "GenerationCancelled", "run_job",
-    "LoglikelihoodOutput", "LabelScores", "PromptQueue",
+    "LoglikelihoodOutput", "LabelScores", "PromptQueue", "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ import typing
 
 from contbatch.config import KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
 from contbatch.jobs import run_job
+from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
 EXIT_ERROR = 1
@@ -191,6 +192,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --quantization, quantize the LM head too (default: on)")
     engine.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="with --quantization, keep the embedding table in 8-bit blocks too (default: off)")
+    engine.add_argument("--lora", metavar="DIR",
+                        help="a PEFT LoRA adapter directory every record runs with (part of the job's settings)")
+    engine.add_argument("--max-lora-rank", type=int, help="highest adapter rank accepted with --lora (default: 16)")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         help="int8: the KV cache in 8 bits with a scale per token and kv head (about twice the "
                         "tokens of bf16 in the same memory), CPU only (default: auto, the model dtype)")
@@ -278,7 +282,10 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
                                                   "max_model_len", "kv_cache_memory", "enable_prefix_caching",
                                                   "model_impl", "quantization", "quantize_lm_head",
-                                                  "quantize_embeddings", "kv_cache_dtype")}
+                                                  "quantize_embeddings", "kv_cache_dtype", "max_lora_rank")}
+    if args.max_lora_rank is not None and args.lora is None:
+        parser.error("--max-lora-rank applies only with --lora")
+    lora = None if args.lora is None else LoRARequest(os.path.basename(os.path.normpath(args.lora)) or "adapter", 1, args.lora)
     try:
         summary = run_job(
             args.input,
@@ -297,6 +304,7 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             use_tqdm=sys.stderr.isatty() if args.progress is None else args.progress,
             fsync_every=args.fsync_every,
             fsync_interval=args.fsync_interval,
+            lora_request=lora,
         )
     except BrokenPipeError:
         _silence_stdout()

@@ -73,6 +73,10 @@ class EngineConfig:
         kv_cache_dtype: "auto" (the KV cache in the model dtype) or "int8": each token's K
             and V rows of each kv head in 8 bits with one fp32 scale (docs/design/kv_cache_layout.md),
             about half the bytes of bf16 and a quarter of fp32. CPU only.
+        enable_lora: serve LoRA adapters that requests name (``lora_request``; contbatch/lora).
+        max_loras: the most adapters the requests running in one step use between them (as
+            vLLM's); a request of another adapter waits until one of them has no request left.
+        max_lora_rank: the highest adapter rank accepted.
     """
 
     max_num_seqs: int = 256
@@ -88,6 +92,9 @@ class EngineConfig:
     quantize_lm_head: bool = True
     quantize_embeddings: bool = False
     kv_cache_dtype: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -102,7 +109,9 @@ class EngineConfig:
             raise TypeError(f"seed must be an int in [0, 2**64 - 1], got {self.seed!r}")
         if not 0 <= self.seed <= MAX_SEED:  # torch.Generator's range, as SamplingParams.seed
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed!r}")
-        for name in ("enable_prefix_caching", "adapt_threads", "quantize_lm_head", "quantize_embeddings"):
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        for name in ("enable_prefix_caching", "adapt_threads", "quantize_lm_head", "quantize_embeddings", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.model_impl, str) or self.model_impl not in MODEL_IMPLS:

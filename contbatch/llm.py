@@ -13,6 +13,7 @@ from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.interrupts import StepInterrupts
+from contbatch.lora.request import LoRARequest
 from contbatch.models.gguf import has_q8_0_layers, is_gguf_file
 from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
@@ -81,6 +82,11 @@ class LLM:
         kv_cache_dtype: "auto" (the model dtype) or "int8": the KV cache in 8 bits, one fp32
             scale per token and kv head, so the same memory holds about twice the tokens of a
             bf16 cache (four times fp32's); CPU only. vLLM's name; its "fp8" has no CPU kernel here.
+        enable_lora: serve PEFT LoRA adapters that requests name (``lora_request`` of generate
+            and chat), mixed in one batch; adapters on the decoder layers' linear layers only.
+        max_loras: the most adapters the running requests use between them in one step (as
+            vLLM's); requests of another adapter wait for a place.
+        max_lora_rank: the highest adapter rank accepted (vLLM's default, 16).
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -108,6 +114,9 @@ class LLM:
         quantize_lm_head: bool = True,
         quantize_embeddings: bool = False,
         kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -123,6 +132,9 @@ class LLM:
             quantize_lm_head=quantize_lm_head,
             quantize_embeddings=quantize_embeddings,
             kv_cache_dtype=kv_cache_dtype,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         if not isinstance(model, (str, Path)):
             raise TypeError(f"model must be a path to a model directory or GGUF file, got {type(model).__name__}")
@@ -149,6 +161,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
         tokenizer's chat template (or ``chat_template``); outputs come back in input order.
@@ -156,7 +169,7 @@ class LLM:
         string or a list of {"type": "text", "text": ...} parts. ``continue_final_message``
         (with add_generation_prompt=False) lets the model go on with the last message, e.g. an
         assistant reply begun by you; ``chat_template_kwargs`` are extra template variables,
-        ``tools`` the template's tool definitions, as in vLLM."""
+        ``tools`` the template's tool definitions, as in vLLM; ``lora_request`` as in generate()."""
         if self.engine.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -166,7 +179,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         checked = [validate_conversation(c, f"conversation {i}") for i, c in enumerate(conversations)]  # all first
         prompts = [self._render_chat(c, i, options) for i, c in enumerate(checked)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def render_chat(
         self, conversation: list[dict], index: int = 0, options: ChatTemplateOptions = ChatTemplateOptions()
@@ -187,6 +200,7 @@ class LLM:
         prompts: object,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order.
 
@@ -201,6 +215,9 @@ class LLM:
             sampling_params: one SamplingParams for all prompts, or a list with one
                 per prompt. Default: SamplingParams().
             use_tqdm: show a progress bar with input and output tokens per second.
+            lora_request: the LoRA adapter every prompt runs with, or a list with one per
+                prompt (None: the base model); needs LLM(enable_lora=True). Every adapter
+                named is read and checked before any work.
 
         Raises:
             GenerationInterrupted: an exception was raised part-way (e.g. by a prompts
@@ -211,7 +228,7 @@ class LLM:
                 effect when the running step ends, so the engine is left consistent and the
                 LLM can generate again; a second one in the same step stops it at once.
         """
-        outputs = self.iter_generate(prompts, sampling_params, use_tqdm)  # invalid input raises here, as is
+        outputs = self.iter_generate(prompts, sampling_params, use_tqdm, lora_request)  # invalid input raises here
         finished: list[RequestOutput] = []
         try:
             for output in outputs:
@@ -227,6 +244,7 @@ class LLM:
         prompts: object,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like generate(), but yields each RequestOutput the moment its request finishes.
 
@@ -241,14 +259,17 @@ class LLM:
         items, materialised = as_prompt_iterable(prompts)
         total = len(items) if materialised else None
         params = _params_iterator(sampling_params, total, self.engine.check_params)
+        loras = _lora_iterator(lora_request, total, self.engine.load_lora)
         if total == 0:  # as vLLM: nothing to do (a filter upstream may leave no prompt)
             return iter(())
         if materialised:  # every prompt paired with its params and checked before any work
-            return self._run(self.preparer.prepare_all(items, params), itertools.repeat(None), True,
+            return self._run(self.preparer.prepare_all(items, params), itertools.repeat(None), loras, True,
                              _Progress(total, use_tqdm))
-        return self._run(items, params, False, _Progress(total, use_tqdm))
+        return self._run(items, params, loras, False, _Progress(total, use_tqdm))
 
-    def loglikelihood(self, requests: Sequence[tuple[object, object]]) -> list[LoglikelihoodOutput]:
+    def loglikelihood(
+        self, requests: Sequence[tuple[object, object]], lora_request: LoRARequest | None = None
+    ) -> list[LoglikelihoodOutput]:
         """The log-likelihood of each (context, continuation) pair, in input order.
 
         Named after lm-eval's request type: vLLM's offline API has no such call (its users
@@ -257,16 +278,22 @@ class LLM:
         once (contbatch/scoring.py); identical pairs are scored once. Contexts and continuations are both strings (split as
         lm-eval splits them) or both token-id lists. Every pair is validated before any
         work: one ValueError lists the bad indices. A pair that fails as it starts gets a
-        LoglikelihoodOutput with ``error`` set.
+        LoglikelihoodOutput with ``error`` set. ``lora_request``: the LoRA adapter every pair is
+        scored with (as in generate()).
         """
         if not isinstance(requests, (list, tuple)) or not requests:
             raise ValueError("requests must be a non-empty list of (context, continuation) pairs")
-        return self._loglikelihood(requests, lambda index: f"requests[{index}]")
+        return self._loglikelihood(requests, lambda index: f"requests[{index}]", lora_request)
 
-    def _loglikelihood(self, requests: Sequence, name: Callable[[int], str]) -> list[LoglikelihoodOutput]:
+    def _loglikelihood(
+        self, requests: Sequence, name: Callable[[int], str], lora_request: LoRARequest | None
+    ) -> list[LoglikelihoodOutput]:
         """loglikelihood(), its bad pairs listed as ``name(index)`` names them."""
         self._check_idle()
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         pairs, prepared = self._prepare_pairs(requests, name)
+        loras = _lora_iterator(lora_request, None, self.engine.load_lora)
         # Eval suites repeat pairs (the same choices after the same few-shot prompt): score each once.
         keys = [(tuple(context), tuple(continuation)) for context, continuation in pairs]
         first_of: dict[tuple, int] = {}
@@ -280,7 +307,7 @@ class LLM:
         results: list[LoglikelihoodOutput | None] = [None] * len(pairs)
         for wave in admission_waves([keys[i][0] for i in unique], sizes, budget):
             source = [prepared[unique[w]] for w in wave]
-            for output in self._run(source, itertools.repeat(params), True, _Progress(None, False)):
+            for output in self._run(source, itertools.repeat(params), loras, True, _Progress(None, False)):
                 index = unique[wave[int(output.request_id)]]
                 results[index] = loglikelihood_output(output, len(keys[index][0]))
         for index, key in enumerate(keys):
@@ -288,16 +315,20 @@ class LLM:
                 results[index] = repeated_pair_output(results[first_of[key]], len(key[0]))
         return results
 
-    def score_labels(self, prompts: Sequence[object], labels: Sequence[str]) -> list[LabelScores]:
+    def score_labels(
+        self, prompts: Sequence[object], labels: Sequence[str], lora_request: LoRARequest | None = None
+    ) -> list[LabelScores]:
         """For each prompt, the probability of each label (normalised over ``labels``) and the
         most probable one: one prefill of each prompt, then each label's tokens (a labeling job
-        over 1M rows and 5 labels does not pay for 5M prompt prefills)."""
+        over 1M rows and 5 labels does not pay for 5M prompt prefills). ``lora_request``: the
+        LoRA adapter every prompt is scored with."""
         labels = check_labels(labels)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list")
         scored = self._loglikelihood(
             [(prompt, label) for prompt in prompts for label in labels],
             lambda index: f"prompts[{index // len(labels)}] with label {labels[index % len(labels)]!r}",
+            lora_request,
         )
         results = []
         for start in range(0, len(scored), len(labels)):
@@ -328,7 +359,8 @@ class LLM:
         return pairs, prepared
 
     def _run(
-        self, source: Iterable, params: Iterator[SamplingParams | None], prepared: bool, progress: "_Progress"
+        self, source: Iterable, params: Iterator[SamplingParams | None], loras: Iterator[LoRARequest | None],
+        prepared: bool, progress: "_Progress",
     ) -> Iterator[RequestOutput]:
         engine = self.engine
         self._check_idle()  # two iterators made before either ran: the second to start is refused
@@ -344,7 +376,7 @@ class LLM:
                         break
                     position, item = taken
                     with interrupts.deferred():
-                        failed = self._admit(position, item, next(params, None), prepared)
+                        failed = self._admit(position, item, next(params, None), next(loras, None), prepared)
                     if failed is not None:
                         progress.update(failed)
                         yield failed
@@ -368,7 +400,9 @@ class LLM:
         if self._running:
             raise RuntimeError("this LLM is already running a generate/iter_generate call; finish or close it first")
 
-    def _admit(self, position: int, item: object, params: SamplingParams | None, prepared: bool) -> RequestOutput | None:
+    def _admit(
+        self, position: int, item: object, params: SamplingParams | None, lora: LoRARequest | None, prepared: bool
+    ) -> RequestOutput | None:
         """Queue one prompt; a prompt that cannot run gets an error output instead. ``params``:
         the call's for this prompt (None past the end of a short list), unless it comes prepared."""
         try:
@@ -379,7 +413,7 @@ class LLM:
         if params is None:
             return _error_output(position, item, "sampling_params list is shorter than the prompts")
         try:
-            self.engine.add_request(position, prompt.text, prompt.token_ids, params, prompt.prompt_logprobs_from)
+            self.engine.add_request(position, prompt.text, prompt.token_ids, params, prompt.prompt_logprobs_from, lora)
         except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
             return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None
@@ -417,6 +451,32 @@ def _params_iterator(
                 raise ValueError(f"sampling_params[{index}]: {exc}") from exc
         return iter(sampling_params)
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
+
+
+def _lora_iterator(
+    lora_request: object, total: int | None, load: Callable[[LoRARequest], None]
+) -> Iterator[LoRARequest | None]:
+    """Every adapter named, read and checked before any work (``load``: LLMEngine.load_lora)."""
+    if lora_request is None:
+        return itertools.repeat(None)
+    if isinstance(lora_request, LoRARequest):
+        load(lora_request)
+        return itertools.repeat(lora_request)
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest, a list of them (None for the base model) or None, "
+                        f"got {type(lora_request).__name__}")
+    if total is not None and len(lora_request) != total:
+        raise ValueError(f"lora_request has {len(lora_request)} entries but there are {total} prompts; "
+                         "give one LoRARequest or one per prompt")
+    for index, request in enumerate(lora_request):
+        if request is not None and not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request[{index}] must be a LoRARequest or None, got {type(request).__name__}")
+        if request is not None:
+            try:
+                load(request)
+            except ValueError as exc:
+                raise ValueError(f"lora_request[{index}]: {exc}") from exc
+    return iter(lora_request)
 
 
 def _in_input_order(outputs: list[RequestOutput]) -> list[RequestOutput]:

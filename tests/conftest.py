@@ -205,6 +205,22 @@ def chat_model_dir(tmp_path_factory, smollm_dir) -> Path:
     return path
 
 
+def make_peft_adapter(model_dir: Path, out: Path, seed: int, scale: float = 1.0, **settings) -> Path:
+    """A LoRA adapter of ``model_dir`` made and saved by PEFT (``settings``: its LoraConfig), A
+    and B random (B times ``scale``), so that it changes the model's outputs."""
+    import peft
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **settings))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    model.save_pretrained(out)
+    return out
+
+
 class HFOracle:
     """Greedy generation with HF transformers, one request at a time, in fp32."""
 

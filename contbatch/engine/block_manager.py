@@ -77,6 +77,7 @@ class _SeqBlocks:
     groups: list[_GroupBlocks]
     hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     num_registered: int = 0  # leading blocks already offered to the prefix cache
+    namespace: bytes = b""  # the first block's parent hash: K/V of one LoRA adapter match only its own
 
 
 class BlockManager:
@@ -137,13 +138,16 @@ class BlockManager:
             return []
         return [block for block in seq.groups[group].block_ids if block != NO_BLOCK]
 
-    def find_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+    def find_cached_prefix(self, seq_id: int, token_ids: Sequence[int], lora_id: int = 0) -> list[tuple[int, ...]]:
         """The longest cached prefix of ``token_ids`` every group can use (module docstring),
         leaving at least one token to compute: per block of it, the block of each group
-        (NO_BLOCK where a windowed group does not need it)."""
+        (NO_BLOCK where a windowed group does not need it). ``lora_id``: the LoRA adapter the
+        sequence runs with (0: none); blocks computed with another adapter never match."""
         if not self.enable_prefix_caching:
             return []
         seq = self.seqs.setdefault(seq_id, self._new_seq())
+        if lora_id:
+            seq.namespace = b"lora:%d" % lora_id
         self._hash_full_blocks(seq, token_ids, len(token_ids))
         found: list[tuple[int | None, ...]] = []
         for block_hash in seq.hashes[: (len(token_ids) - 1) // self.block_size]:
@@ -261,7 +265,8 @@ class BlockManager:
                     self.ref_counts[block] += 1
             groups.append(_GroupBlocks(shared, min(group.num_dropped, len(shared))))
         hashes = parent.hashes[: num_computed_tokens // self.block_size]
-        self.seqs[child_id] = _SeqBlocks(groups, list(hashes), min(parent.num_registered, len(hashes)))
+        registered = min(parent.num_registered, len(hashes))
+        self.seqs[child_id] = _SeqBlocks(groups, list(hashes), registered, parent.namespace)
 
     def cache_computed_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register hashes of the sequence's full, computed blocks so others can reuse them."""
@@ -338,7 +343,7 @@ class BlockManager:
         hashes = seq.hashes
         size = self.block_size
         for index in range(len(hashes), num_tokens // size):
-            parent = hashes[index - 1] if index else b""
+            parent = hashes[index - 1] if index else seq.namespace
             tokens = np.asarray(token_ids[index * size : (index + 1) * size], dtype=np.int64)
             hashes.append(hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest())
 

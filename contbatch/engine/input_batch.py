@@ -36,6 +36,7 @@ class SeqState:
     bad_words_ids: BadWordsIds = ()
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the device, made once
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # params.logit_bias as (token ids, values), likewise
+    lora_id: int = 0  # the LoRA adapter it runs with; 0 for none
 
     @property
     def num_output_tokens(self) -> int:
@@ -55,6 +56,7 @@ class ModelInput:
     sampling_seqs: list[SeqState]
     prompt_rows: list[int] = field(default_factory=list)  # rows scored for prompt logprobs
     prompt_targets: list[tuple[SeqState, int]] = field(default_factory=list)  # (sequence, position of the scored token)
+    row_adapters: list[tuple[int, int, int]] = field(default_factory=list)  # (LoRA id, first row, end row)
 
 
 class InputBatch:
@@ -85,7 +87,7 @@ class InputBatch:
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]  # per group
         tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]  # per group
         seq_lens, query_lens, sample_rows, sampling_seqs = [], [], [], []
-        prompt_rows, prompt_targets = [], []
+        prompt_rows, prompt_targets, row_adapters = [], [], []
         size = self.block_size
         for item in step.scheduled:
             seq, start = self.seqs[item.seq_id], item.num_computed_tokens
@@ -107,6 +109,8 @@ class InputBatch:
                         blocks = np.asarray(table, dtype=np.int64)[chunk // size]
                         group_slots.extend((blocks * size + chunk % size).tolist())
                     group_tables.append(table)
+            if seq.lora_id:
+                row_adapters.append((seq.lora_id, first_row, len(input_ids)))
             seq_lens.append(end)
             query_lens.append(item.num_new_tokens)
             if seq.params.prompt_logprobs is not None:
@@ -140,6 +144,7 @@ class InputBatch:
             sampling_seqs=sampling_seqs,
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
+            row_adapters=row_adapters,
         )
 
     def sampling_batch(self, seqs: list[SeqState], masks: TokenMasks | None) -> SamplingBatch:
@@ -183,6 +188,7 @@ class InputBatch:
             allowed_ids=None if new.params.allowed_token_ids is None else torch.tensor(
                 sorted(set(new.params.allowed_token_ids)), dtype=torch.int64, device=self.device),
             bias=self._bias_tensors(new.params.logit_bias),
+            lora_id=new.lora_id,
         )
 
     def _bias_tensors(self, logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:

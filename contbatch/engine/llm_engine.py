@@ -23,6 +23,9 @@ from contbatch.engine.stopping import stop_token_ids
 from contbatch.engine.stats import EngineStats, StatsListener, StepStats
 from contbatch.engine.threads import ThreadController
 from contbatch.engine.tokenizer import eos_token_ids, load_tokenizer
+from contbatch.lora.registry import LoRARegistry
+from contbatch.lora.request import LoRARequest
+from contbatch.models.llama import LlamaForCausalLM
 from contbatch.models.loader import load_model, read_config
 from contbatch.outputs import RequestOutput
 from contbatch.sampling_params import SamplingParams
@@ -53,8 +56,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           group_windows=cache_spec.group_windows)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(model, cache_spec, num_blocks, self.eos_token_ids, device, config.seed)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.max_loras)
+        lora = _lora_registry(model, config, device)
+        self.runner = ModelRunner(model, cache_spec, num_blocks, self.eos_token_ids, device, config.seed, lora)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.structured)
         self.stats = EngineStats()
@@ -121,6 +126,13 @@ class LLMEngine:
                 self._bad_words_cache[words] = ids
         return ids
 
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Make an adapter ready for requests (read once per ``lora_int_id``); ValueError if this
+        engine has no LoRA (enable_lora=False) or cannot serve the adapter."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        self.runner.lora.load(lora_request)
+
     def add_request(
         self,
         request_id: int,
@@ -128,12 +140,17 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt_logprobs_from: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. With prompt logprobs, ``prompt_logprobs_from`` is the first prompt
         position scored (earlier entries are None) and the prefix before it may be reused
-        from the prefix cache (scoring continuations of one shared context)."""
+        from the prefix cache (scoring continuations of one shared context). ``lora_request``:
+        the adapter it runs with (loaded here if it is new)."""
+        if lora_request is not None:
+            self.load_lora(lora_request)
         request = self.scheduler.add_request(
-            request_id, prompt, prompt_token_ids, params, prompt_logprobs_from, self._bad_words_ids(params)
+            request_id, prompt, prompt_token_ids, params, prompt_logprobs_from, self._bad_words_ids(params),
+            0 if lora_request is None else lora_request.lora_int_id,
         )
         try:
             if params.structured_outputs is not None:
@@ -221,3 +238,14 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
             )
         return config.max_model_len or model_max
+
+
+def _lora_registry(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> LoRARegistry | None:
+    """With enable_lora, the registry the runner applies adapters from; ValueError for a model
+    on transformers' modeling code, whose layers are not contbatch's."""
+    if not config.enable_lora:
+        return None
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"enable_lora=True needs one of contbatch's native models; {type(model).__name__} runs on "
+                         "transformers' modeling code (model_impl='transformers'), which has no LoRA here")
+    return LoRARegistry(model, config.max_lora_rank, device)

@@ -17,6 +17,7 @@ from contbatch.engine.kv_cache import KVCacheSpec
 from contbatch.engine.scheduler_output import SchedulerOutput
 from contbatch.layers.logprobs import RawLogprobs, compute_logprobs
 from contbatch.layers.sampler import SamplerScratch, TokenMasks, sample
+from contbatch.lora.registry import LoRARegistry
 
 PROMPT_LOGPROBS_CHUNK = 256
 
@@ -56,8 +57,10 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         device: torch.device,
         seed: int,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the LoRA adapters loaded into the model, with enable_lora
         self.device = device
         self.kv_cache, self.kv_caches = cache_spec.allocate(num_blocks, device)
         self.layer_groups = cache_spec.layer_groups
@@ -75,6 +78,8 @@ class ModelRunner:
             ops.copy_blocks(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]), mapping)  # a block's every layer
         model_input = self.batch.prepare(step)
         metadata = [model_input.metadata[group] for group in self.layer_groups]
+        if self.lora is not None:
+            self.lora.set_step(model_input.row_adapters)
         result = RunnerOutput()
         start = time.perf_counter()
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, metadata)

@@ -43,6 +43,7 @@ class Request:
         sample_index: int = 0,
         prompt_logprobs_from: int = 1,
         bad_words_ids: BadWordsIds = (),
+        lora_id: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -54,6 +55,7 @@ class Request:
         # With prompt logprobs: the first prompt position scored; the prefix before it may come from the cache.
         self.prompt_logprobs_from = prompt_logprobs_from
         self.bad_words_ids = bad_words_ids  # params.bad_words as token sequences (the engine tokenizes them)
+        self.lora_id = lora_id  # the LoRA adapter's lora_int_id; 0 for the base model
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -96,7 +98,7 @@ class Request:
     def fork(self, seq_id: int, sample_index: int) -> "Request":
         """A new sample of the same prompt, at the same computed position."""
         child = Request(seq_id, self.request_id, self.prompt, self.prompt_token_ids, self.params, sample_index,
-                        self.prompt_logprobs_from, self.bad_words_ids)
+                        self.prompt_logprobs_from, self.bad_words_ids, self.lora_id)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status

@@ -3,7 +3,9 @@
 There is no prefill phase or decode phase. Every request owns ``num_computed_tokens``
 and each step gives it up to ``num_tokens - num_computed_tokens`` more from the
 step's budget: running requests first (usually one decode token each, or the next
-chunk of a long prompt), then waiting requests in arrival order (FCFS). When the
+chunk of a long prompt), then waiting requests in arrival order (FCFS; with LoRA adapters,
+a request whose adapter would make more than ``max_loras`` in the running batch is passed
+over until one of them has no request left, as in vLLM). When the
 block manager cannot give a running request its blocks, the blocks running
 requests took ahead of their tokens are released first; if that is not enough, the
 newest running request is preempted: its blocks are freed and it is recomputed later.
@@ -32,8 +34,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int = 1,
     ) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -52,9 +56,10 @@ class Scheduler:
         params: SamplingParams,
         prompt_logprobs_from: int = 1,
         bad_words_ids: BadWordsIds = (),
+        lora_id: int = 0,
     ) -> Request:
         request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from,
-                          bad_words_ids)
+                          bad_words_ids, lora_id)
         self.requests[request.seq_id] = request
         self.waiting.append(request)
         return request
@@ -166,8 +171,13 @@ class Scheduler:
         # Samples still to be forked from running prompts hold their seats already.
         seats_taken = len(self.running) + sum(r.samples_to_fork for r in self.running)
         caching = self.block_manager.enable_prefix_caching
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        index = 0  # of the first waiting request not passed over
+        while index < len(self.waiting) and budget > 0:
+            request = self.waiting[index]
+            if request.lora_id and request.lora_id not in adapters and len(adapters) >= self.max_loras:
+                index += 1  # its adapter would be one too many this step
+                continue
             if seats_taken + 1 + request.samples_to_fork > self.max_num_seqs:
                 break
             cached = self._cached_prefix(request)
@@ -175,7 +185,9 @@ class Scheduler:
             num_new = min(self._tokens_to_compute(request, num_cached), budget)
             if not self._allocate_for_waiting(request, num_cached, num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            if request.lora_id:
+                adapters.add(request.lora_id)
             seats_taken += 1 + request.samples_to_fork
             if caching:
                 output.num_prefix_queried_tokens += request.num_tokens
@@ -195,7 +207,7 @@ class Scheduler:
         tokens = request.token_ids
         if request.params.prompt_logprobs is not None:  # positions from the first scored one on must be computed
             tokens = tokens[: request.prompt_logprobs_from]
-        return self.block_manager.find_cached_prefix(request.seq_id, tokens)
+        return self.block_manager.find_cached_prefix(request.seq_id, tokens, request.lora_id)
 
     def _allocate_for_waiting(
         self, request: Request, num_cached: int, num_new: int, cached: list[tuple[int, ...]]
@@ -222,7 +234,8 @@ class Scheduler:
             self._known_to_runner.add(request.seq_id)
             output.new_seqs.append(
                 NewSeq(request.seq_id, request.request_id, request.sample_index, request.params,
-                       tuple(request.prompt_token_ids), request.prompt_logprobs_from, request.bad_words_ids)
+                       tuple(request.prompt_token_ids), request.prompt_logprobs_from, request.bad_words_ids,
+                       request.lora_id)
             )
         tables = self.block_manager.block_table_update(request.seq_id, end)
         output.scheduled.append(ScheduledSeq(request.seq_id, start, num_new, end == request.num_tokens, tables))

@@ -23,6 +23,7 @@ class NewSeq:
     token_ids: tuple[int, ...]  # the prompt (a forked sample starts from it too)
     prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
     bad_words_ids: BadWordsIds = ()  # params.bad_words as token sequences
+    lora_id: int = 0  # the LoRA adapter it runs with; 0 for none
 
 
 class ScheduledSeq(NamedTuple):

@@ -32,6 +32,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from contbatch.llm import LLM
+from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
 # Generation kwargs of lm-eval tasks that map onto SamplingParams fields of the same name.
@@ -53,9 +54,11 @@ class ContbatchLM(TemplateLM):
     Args (``--model_args``): ``pretrained`` (model directory), ``max_length`` (lm-eval's
     context length; the engine gets two tokens more, the scored token's successor and the
     one generated token a scoring request needs), ``max_gen_toks`` (default 256, as ``hf``),
-    ``add_bos_token`` and ``prefix_token_id`` (as ``hf``), and any ``LLM`` keyword
-    (``dtype``, ``device``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``kv_cache_memory``, ``enable_prefix_caching``, ``seed``).
+    ``add_bos_token`` and ``prefix_token_id`` (as ``hf``), ``lora_local_path`` (a PEFT LoRA
+    adapter directory every request runs with, as in lm-eval's ``vllm`` backend; ``hf`` calls
+    it ``peft``), and any ``LLM`` keyword (``dtype``, ``device``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``kv_cache_memory``, ``enable_prefix_caching``, ``seed``,
+    ``max_lora_rank``).
     """
 
     def __init__(
@@ -65,15 +68,21 @@ class ContbatchLM(TemplateLM):
         max_gen_toks: int = 256,
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
+        lora_local_path: str | None = None,
         **llm_kwargs: object,
     ) -> None:
         super().__init__()
+        self.lora_request = None if lora_local_path is None else LoRARequest("lm-eval", 1, str(lora_local_path))
+        if self.lora_request is not None:
+            llm_kwargs.setdefault("enable_lora", True)
         for name in _IGNORED_ARGS:
             llm_kwargs.pop(name, None)
         llm_kwargs["device"] = _engine_device(llm_kwargs.get("device"))
         if max_length is not None:
             llm_kwargs["max_model_len"] = int(max_length) + 2
         self.llm = LLM(pretrained, **llm_kwargs)
+        if self.lora_request is not None:  # a bad adapter is refused here, before any request
+            self.llm.engine.load_lora(self.lora_request)
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
             raise ValueError("the contbatch lm-eval backend needs the model's tokenizer")
@@ -159,7 +168,7 @@ class ContbatchLM(TemplateLM):
             params, until = self._sampling_params(gen_kwargs, eos)
             prompts.append({"prompt_token_ids": self._generation_context(context, params.max_tokens), "sampling_params": params})
             stops.append(until)
-        outputs = self.llm.generate(prompts, use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, use_tqdm=not disable_tqdm, lora_request=self.lora_request)
         texts = []
         for request, output, until in zip(requests, outputs, stops):
             if output.error is not None:
@@ -212,7 +221,7 @@ class ContbatchLM(TemplateLM):
         return SamplingParams(max_tokens=max_tokens, stop=stop or None, **kwargs), until
 
     def _score(self, pairs: Sequence[TokenPair]) -> list:
-        outputs = self.llm.loglikelihood(pairs) if pairs else []
+        outputs = self.llm.loglikelihood(pairs, self.lora_request) if pairs else []
         failed = next((o.error for o in outputs if o.error is not None), None)
         if failed is not None:
             raise RuntimeError(f"contbatch could not score a loglikelihood request: {failed}")

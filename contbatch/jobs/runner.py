@@ -36,6 +36,7 @@ from contbatch.jobs.settings import (
     write_meta,
 )
 from contbatch.llm import LLM
+from contbatch.lora.request import LoRARequest
 from contbatch.outputs import CompletionOutput, RequestOutput
 from contbatch.sampling_params import SamplingParams, with_overrides
 
@@ -110,6 +111,7 @@ def run_job(
     fsync_every: int = 1000,
     fsync_interval: float = 5.0,
     on_result: Callable[[dict], None] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> JobSummary:
     """Generate a completion for every record of ``input_path`` into ``output_path`` (JSONL or Parquet).
 
@@ -164,6 +166,9 @@ def run_job(
         fsync_every, fsync_interval: fsync the output every this many records or seconds.
         on_result: called with each result object (as above) right after its line is
             written, e.g. to follow the job's progress.
+        lora_request: a LoRA adapter every record runs with (the LLM it builds gets
+            enable_lora=True; a given ``llm`` must have it). Its directory's fingerprint is
+            part of the job's settings, so a resume with another adapter is refused.
 
     On SIGINT (in the main thread) no new records are started, in-flight ones finish
     and are written, and the summary has status "interrupted"; a second SIGINT
@@ -188,9 +193,13 @@ def run_job(
     try:
         known = input_settings(params, prompt)
         redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
-        llm = llm or LLM(model, **(llm_kwargs or {}))
+        lora_kwargs = {"enable_lora": True} if lora_request is not None else {}
+        llm = llm or LLM(model, **{**lora_kwargs, **(llm_kwargs or {})})
+        if lora_request is not None:  # a bad adapter is refused before any record runs
+            llm.engine.load_lora(lora_request)
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt,
-                                llm.engine.quantization, llm.engine.config.kv_cache_dtype)
+                                llm.engine.quantization, llm.engine.config.kv_cache_dtype,
+                                None if lora_request is None else model_fingerprint(Path(lora_request.lora_path)))
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
         builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
@@ -202,7 +211,7 @@ def run_job(
                 write_meta(meta_path, settings, model)
             if redo:
                 writer.drop(redo)
-            status, generation_s = job.generate(llm, params, use_tqdm)
+            status, generation_s = job.generate(llm, params, use_tqdm, lora_request)
             if status == "done" and journal != output_path:
                 writer.sync()
                 write_parquet(journal, output_path, (r.id for r in source.records() if isinstance(r, RawRecord)))
@@ -335,7 +344,9 @@ class _Job:
             "\n  " + "\n  ".join(listed) + more
         )
 
-    def generate(self, llm: LLM, params: SamplingParams, use_tqdm: bool) -> tuple[str, float]:
+    def generate(
+        self, llm: LLM, params: SamplingParams, use_tqdm: bool, lora_request: LoRARequest | None = None
+    ) -> tuple[str, float]:
         stop = _StopSignal()
         ledger = IdLedger(self.writer.done)
         inflight: dict[int, tuple[RawRecord, bytes]] = {}  # iter_generate position -> (record, fingerprint)
@@ -352,7 +363,7 @@ class _Job:
 
         started = time.perf_counter()
         self.input_exhausted = aborted = False
-        outputs = llm.iter_generate(feed(), params, use_tqdm=use_tqdm)
+        outputs = llm.iter_generate(feed(), params, use_tqdm=use_tqdm, lora_request=lora_request)
         with stop.installed(), closing(outputs):
             try:
                 for output in outputs:

@@ -55,15 +55,19 @@ def job_settings(
     prompt: dict,
     quantization: Quantization | None = None,
     kv_cache_dtype: str = "auto",
+    lora_fp: str | None = None,
 ) -> dict:
     """Flat {"section.key": JSON value} settings that must match between runs of one job.
     ``quantization`` (as "int8 in 64-input blocks, LM head int8, embeddings dense") and ``kv_cache_dtype`` are
-    recorded only when set, so that jobs written before they existed still resume."""
+    recorded only when set, so that jobs written before they existed still resume; so is ``lora_fp``,
+    the fingerprint of the LoRA adapter directory every record runs with."""
     settings = {"model.fingerprint": model_fp, "engine.dtype": dtype, "engine.max_model_len": max_model_len}
     if quantization is not None:
         settings["engine.quantization"] = quantization.describe()
     if kv_cache_dtype != "auto":
         settings["engine.kv_cache_dtype"] = kv_cache_dtype
+    if lora_fp is not None:
+        settings["engine.lora_adapter"] = lora_fp
     settings.update(input_settings(params, prompt))
     return settings
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contbatch import ops
+from contbatch.lora.layers import LinearLoRA
 from contbatch.ops.int8_blocks import Q8_0_BLOCK, Int8Blocks, PackedInt8, pack_int8, quantize_weight
 from contbatch.ops.panel_layout import pack_panels
 
@@ -107,9 +108,11 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can swap its weight for a packed one after loading."""
+    """``nn.Linear`` that can swap its weight for a packed one after loading, and add LoRA
+    adapters' updates to the rows of the requests that run with them (contbatch/lora)."""
 
     packed_weight: PackedWeight | None = None
+    lora: "LinearLoRA | None" = None
 
     def pack(self) -> bool:
         """Re-lay the weight out (and free the plain copy); False where no layout applies."""
@@ -141,8 +144,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
-            return F.linear(x, self.weight, self.bias)
-        return packed_linear(x, self.packed_weight, self.bias)
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = packed_linear(x, self.packed_weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(out, x)
+        return out
 
 
 def quantize_linears(model: nn.Module, block: int, keep_dense: tuple[nn.Module | None, ...] = ()) -> int:

@@ -26,6 +26,7 @@ from contbatch.layers.linear import (
 )
 from contbatch.layers.norm import RMSNorm
 from contbatch.layers.rotary import RotaryEmbedding
+from contbatch.lora.layers import StepAdapters
 from contbatch.layers.huge_pages import move_to_huge_pages, packed_tensors
 from contbatch.models import native_decoder
 from contbatch.models.config import ModelConfig
@@ -128,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.tied_head_packed: PackedWeight | None = None  # the embedding matrix packed as the LM head
         self.native_decoder: native_decoder.NativeDecoder | None = None  # the layers in C++, once packed
+        self.step_adapters: StepAdapters | None = None  # with LoRA: which rows run which adapter (contbatch/lora)
 
     def pack_weights(self, quantization: Quantization | None = None, embedding_blocks: Int8Blocks | None = None) -> None:
         """After loading: lay every projection (and a tied LM head) out for a fast CPU kernel,
@@ -174,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden_size] of a flattened varlen batch; ``kv_caches`` and
         ``metadata`` (block tables and slots of the layer's KV-cache group) per layer."""
         hidden, residual = self.embed(input_ids), None
-        if self.native_decoder is not None and self.native_decoder.serves(hidden, metadata):
+        adapted = self.step_adapters is not None and self.step_adapters.active  # the C++ layers have no LoRA
+        if self.native_decoder is not None and not adapted and self.native_decoder.serves(hidden, metadata):
             return self.native_decoder.forward(hidden, positions, kv_caches, metadata)
         for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata):
             hidden, residual = layer(hidden, residual, positions, self.rotary_for(layer), kv_cache, layer_metadata)

@@ -236,6 +236,18 @@ def _target_name(checkpoint_name: str, fusion: dict[str, tuple[str, int]]) -> tu
     return name, None
 
 
+def fused_target(checkpoint_name: str, config: ModelConfig) -> tuple[str, int, int | None]:
+    """Where a checkpoint weight (``model.layers.0.self_attn.q_proj.weight``) lives in our model:
+    the parameter's name, and the first row and row count of the slice it fills in a fused
+    parameter (0 and None for a whole parameter). Read by LoRA adapters, which name their
+    layers as the checkpoint does."""
+    target, shard = _target_name(checkpoint_name, _fusion(config))
+    if shard is None:
+        return target, 0, None
+    sizes = _shard_sizes(checkpoint_name, config)
+    return target, sum(sizes[:shard]), sizes[shard]
+
+
 def _copy_into(param: torch.Tensor, shard: int | None, tensor: torch.Tensor, config: ModelConfig, name: str) -> None:
     with torch.no_grad():
         destination = _destination(param, shard, config, name)

@@ -134,3 +134,23 @@ def test_contbatch_eval_command_runs_lm_eval_cli(offline_datasets, smollm_dir, t
     assert results["config"]["model"] == "contbatch"
     accuracy = results["results"]["contbatch_mc"]["acc,none"]
     assert not math.isnan(accuracy) and 0.0 <= accuracy <= 1.0
+
+
+def test_lora_adapter_scores_match_hf_with_peft(offline_datasets, smollm_dir, tmp_path):
+    """``lora_local_path`` (the vllm backend's name) against the hf backend's ``peft``: the same
+    PEFT adapter, the same per-sample log-likelihoods and texts, and not the base model's."""
+    from tests.conftest import make_peft_adapter
+
+    adapter = make_peft_adapter(smollm_dir, tmp_path / "adapter", 0, scale=0.5, r=8, lora_alpha=16,
+                                target_modules=["q_proj", "v_proj", "down_proj"])
+    common = f"pretrained={smollm_dir},dtype=float32,max_length={MAX_LENGTH}"
+    tasks, kwargs = ["contbatch_mc", "contbatch_gen"], dict(limit=6)
+    theirs = _evaluate("hf", f"{common},device=cpu,peft={adapter}", tasks, batch_size=1, **kwargs)
+    ours = _evaluate("contbatch", f"{common},lora_local_path={adapter}", tasks, **kwargs)
+    base = _evaluate("contbatch", common, ["contbatch_mc"], **kwargs)
+    lls = {name: [r[0][0] for s in _samples(result, "contbatch_mc") for r in s["resps"]]
+           for name, result in (("ours", ours), ("theirs", theirs), ("base", base))}
+    assert lls["ours"] == pytest.approx(lls["theirs"], abs=ATOL)
+    assert lls["ours"] != pytest.approx(lls["base"], abs=1e-2)  # the adapter changed the scores
+    assert [s["resps"][0][0] for s in _samples(ours, "contbatch_gen")] == \
+        [s["resps"][0][0] for s in _samples(theirs, "contbatch_gen")]

@@ -171,3 +171,28 @@ def test_an_int8_job_gives_llm_results_and_its_settings_guard_a_resume(
     assert _cli(tmp_path, chat_model_dir) == 1, "results without the setting must not be mixed in"
     err = capsys.readouterr().err
     assert "made with other settings" in err and setting in err
+
+
+def test_a_lora_job_gives_the_adapters_results_and_a_resume_with_another_adapter_is_refused(
+    tmp_path, chat_model_dir, capsys
+):
+    from contbatch import LoRARequest
+    from tests.conftest import make_peft_adapter
+
+    adapters = [make_peft_adapter(chat_model_dir, tmp_path / f"adapter{i}", i, r=4,
+                                  target_modules=["q_proj", "v_proj", "down_proj"]) for i in range(2)]
+    assert _cli(tmp_path, chat_model_dir, "--lora", str(adapters[0]), "--max-lora-rank", "8") == 0
+    llm = LLM(chat_model_dir, dtype="float32", enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    prompts = [f"prompt {i}" for i in range(3)]
+    expected = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapters[0])))
+    base = llm.generate(prompts, params, use_tqdm=False)
+    texts = {r["id"]: r["outputs"][0]["text"] for r in read_jsonl(tmp_path / "out.jsonl")}
+    assert texts == {i: out.outputs[0].text for i, out in enumerate(expected)}
+    assert texts != {i: out.outputs[0].text for i, out in enumerate(base)}
+    capsys.readouterr()
+    assert _cli(tmp_path, chat_model_dir, "--lora", str(adapters[1])) == 1
+    err = capsys.readouterr().err
+    assert "made with other settings" in err and "engine.lora_adapter" in err
+    with pytest.raises(SystemExit):
+        _cli(tmp_path, chat_model_dir, "--max-lora-rank", "8")  # without --lora: a usage error
