@@ -4,6 +4,8 @@ outputs finished so far."""
 
 from dataclasses import dataclass
 
+from contbatch.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -68,6 +70,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran with, as in vLLM
 
 
 class GenerationInterrupted(Exception):

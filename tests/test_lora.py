@@ -83,10 +83,12 @@ def test_adapters_and_the_base_model_mixed_in_one_batch(llama_dir, adapters, max
     loras = [adapters["all"], None, adapters["some"], adapters["all"], None, adapters["some"]]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
     llm = _llm(llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=max_loras)
-    ours = _ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    ours = _ids(outputs)
     oracles = {None: HFOracle(llama_dir), **{a.lora_int_id: _peft_oracle(llama_dir, a) for a in adapters.values()}}
     for prompt, lora, tokens in zip(prompts, loras, ours):
         _expect(oracles[None if lora is None else lora.lora_int_id], tokens, prompt)
+    assert [o.lora_request for o in outputs] == loras  # each output names its adapter, as vLLM's
 
 
 def test_forked_samples_keep_their_adapter(llama_dir, adapters):
@@ -132,8 +134,10 @@ def test_adapter_on_a_preempting_cache_and_on_bf16(llama_dir, adapters):
 def test_scheduler_runs_at_most_max_loras_adapters_at_once():
     scheduler = Scheduler(BlockManager(64, 16, True), max_num_seqs=8, max_num_batched_tokens=256,
                           max_model_len=128, max_loras=1)
+    adapters = {lora_id: LoRARequest(str(lora_id), lora_id, f"/adapters/{lora_id}") for lora_id in (3, 5)}
     for request_id, lora_id in enumerate([3, 5, 0, 3, 5]):
-        scheduler.add_request(request_id, None, [1, 2, 3, 4], SamplingParams(max_tokens=4), lora_id=lora_id)
+        scheduler.add_request(request_id, None, [1, 2, 3, 4], SamplingParams(max_tokens=4),
+                              lora_request=adapters.get(lora_id))
     step = scheduler.schedule()
     admitted = {new.request_id: new.lora_id for new in step.new_seqs}
     assert admitted == {0: 3, 2: 0, 3: 3}  # adapter 5 waits; the base request does not
@@ -215,6 +219,22 @@ def test_smollm2_with_an_adapter_gives_peft_tokens(smollm_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in base]
 
 
+def test_a_gguf_file_takes_the_adapter_of_its_dense_model(smollm_dir, smollm_gguf, tmp_path):
+    """The demo GGUF file (Q4_1 layers dequantized at load) names its layers as llama.cpp does; an
+    adapter trained on the HF directory converted from it gives the same tokens on both."""
+    adapter = LoRARequest("smol", 1, str(make_peft_adapter(smollm_dir, tmp_path / "smol", 1, scale=0.5, r=8,
+                                                           target_modules=["q_proj", "v_proj", "down_proj"])))
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = []
+    for model in (smollm_gguf, smollm_dir):
+        llm = LLM(model, dtype="float32", enable_lora=True)
+        results.append((_ids(llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)),
+                        _ids(llm.generate(prompts, params, use_tqdm=False))))
+    (gguf, gguf_base), (dense, dense_base) = results
+    assert gguf == dense and gguf_base == dense_base and gguf != gguf_base
+
+
 def test_int8_weights_take_the_adapter_update_too(llama_dir, adapters):
     """quantization="int8": the update adds to the int8 layers' output. The tiny model's logits
     are decisive, so int8 with the adapter follows PEFT's fp32 tokens for the first steps, and
@@ -227,3 +247,28 @@ def test_int8_weights_take_the_adapter_update_too(llama_dir, adapters):
     agree = sum(tokens == oracle.greedy(p, 4, None) for p, tokens in zip(PROMPTS, ours))
     from_base = sum(tokens == base.greedy(p, 4, None) for p, tokens in zip(PROMPTS, ours))
     assert agree >= 2 and from_base == 0, (agree, from_base)
+
+
+ARCHITECTURE_TARGETS = {  # the modules PEFT adapts, named as each checkpoint names them
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],  # qkv bias
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],  # q/k norms after the update
+    "mistral-window": ["q_proj", "v_proj", "up_proj"],
+    "phi4-mini-partial": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused in the checkpoint
+    "gemma3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURE_TARGETS))
+def test_every_native_architecture_gives_peft_tokens(name, tiny_model_dirs, phi3_gemma3_model_dirs, tmp_path):
+    model_dir = {**tiny_model_dirs, **phi3_gemma3_model_dirs}[name]
+    adapter = LoRARequest(name, 1, str(make_peft_adapter(model_dir, tmp_path / name, 3, scale=4.0, r=8, lora_alpha=8,
+                                                         target_modules=ARCHITECTURE_TARGETS[name])))
+    # LongRoPE's factors follow max_model_len; within the original context they are HF's short ones.
+    context = json.loads((model_dir / "config.json").read_text()).get("original_max_position_embeddings")
+    llm = _llm(model_dir, dtype="float32", enable_lora=True, max_model_len=context)
+    ours = _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                             lora_request=adapter))
+    oracle, base = _peft_oracle(model_dir, adapter), HFOracle(model_dir)
+    for prompt, tokens in zip(PROMPTS, ours):
+        _expect(oracle, tokens, prompt)
+    assert ours != [base.greedy(p, GREEDY.max_tokens, None) for p in PROMPTS], "the adapter changed nothing"

@@ -150,7 +150,7 @@ class LLMEngine:
             self.load_lora(lora_request)
         request = self.scheduler.add_request(
             request_id, prompt, prompt_token_ids, params, prompt_logprobs_from, self._bad_words_ids(params),
-            0 if lora_request is None else lora_request.lora_int_id,
+            lora_request,
         )
         try:
             if params.structured_outputs is not None:

@@ -161,6 +161,7 @@ class OutputProcessor:
             metrics=_merge_metrics(samples, states),
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=states[0].prompt_logprobs,
+            lora_request=first.lora_request,
         )
 
     def _to_token_logprobs(self, raw: RawLogprobs, decode: bool) -> TokenLogprobs:

@@ -11,6 +11,7 @@ import enum
 import time
 
 from contbatch.engine.bad_words import BadWordsIds
+from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class Request:
         sample_index: int = 0,
         prompt_logprobs_from: int = 1,
         bad_words_ids: BadWordsIds = (),
-        lora_id: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -55,7 +56,7 @@ class Request:
         # With prompt logprobs: the first prompt position scored; the prefix before it may come from the cache.
         self.prompt_logprobs_from = prompt_logprobs_from
         self.bad_words_ids = bad_words_ids  # params.bad_words as token sequences (the engine tokenizes them)
-        self.lora_id = lora_id  # the LoRA adapter's lora_int_id; 0 for the base model
+        self.lora_request = lora_request  # the LoRA adapter it runs with; None for the base model
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -90,6 +91,11 @@ class Request:
         return self.num_prompt_tokens - 1
 
     @property
+    def lora_id(self) -> int:
+        """The adapter's lora_int_id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def final_num_tokens(self) -> int | None:
         """The most tokens the request can reach through max_tokens (None: no limit but the context)."""
         max_tokens = self.params.max_tokens
@@ -98,7 +104,7 @@ class Request:
     def fork(self, seq_id: int, sample_index: int) -> "Request":
         """A new sample of the same prompt, at the same computed position."""
         child = Request(seq_id, self.request_id, self.prompt, self.prompt_token_ids, self.params, sample_index,
-                        self.prompt_logprobs_from, self.bad_words_ids, self.lora_id)
+                        self.prompt_logprobs_from, self.bad_words_ids, self.lora_request)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status

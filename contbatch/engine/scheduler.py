@@ -24,6 +24,7 @@ from contbatch.engine.bad_words import BadWordsIds
 from contbatch.engine.block_manager import BlockManager
 from contbatch.engine.request import Request, RequestStatus
 from contbatch.engine.scheduler_output import NewSeq, ScheduledSeq, SchedulerOutput
+from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
 
@@ -56,10 +57,10 @@ class Scheduler:
         params: SamplingParams,
         prompt_logprobs_from: int = 1,
         bad_words_ids: BadWordsIds = (),
-        lora_id: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from,
-                          bad_words_ids, lora_id)
+                          bad_words_ids, lora_request)
         self.requests[request.seq_id] = request
         self.waiting.append(request)
         return request

@@ -42,6 +42,7 @@ import torch
 
 from contbatch.jobs.reader import without_nulls
 from contbatch.llm import LLM
+from contbatch.lora.request import LoRARequest
 from contbatch.outputs import RequestOutput
 from contbatch.prompt_queue import PromptQueue
 from contbatch.sampling_params import SamplingParams, with_overrides
@@ -74,6 +75,7 @@ class Processor:
     preprocess: RowFunction | None = None
     postprocess: RowFunction | None = None
     on_actor_start: Callable[[LLM], None] | None = None
+    lora_request: LoRARequest | None = None
 
     def __call__(self, dataset: ray.data.Dataset) -> ray.data.Dataset:
         _warn_if_no_cpu_left(self.concurrency * self.num_cpus)
@@ -107,6 +109,7 @@ def build_processor(
     preprocess: RowFunction | None = None,
     postprocess: RowFunction | None = None,
     on_actor_start: Callable[[LLM], None] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Processor:
     """A processor that runs generation over a ``ray.data.Dataset``: ``processor(dataset)``.
 
@@ -140,7 +143,11 @@ def build_processor(
         postprocess: maps each output row (input columns + completion columns) to the row kept.
         on_actor_start: called with the LLM in each actor once it is built (again in a
             restarted actor): to add a stats listener, log or warm up.
+        lora_request: a LoRA adapter every row runs with (its directory the same path on every
+            node); each actor's LLM gets enable_lora=True and reads it as it starts.
     """
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
     _check_engine_kwargs(engine_kwargs or {})
     if not isinstance(num_cpus, (int, float)) or num_cpus <= 0:
         raise ValueError(f"num_cpus must be a number > 0, got {num_cpus!r}")
@@ -157,7 +164,7 @@ def build_processor(
         concurrency=concurrency, batch_size=batch_size, max_concurrent_batches=max_concurrent_batches,
         num_cpus=num_cpus, num_threads=threads, memory=memory,
         map_batches_kwargs=dict(map_batches_kwargs or {}),
-        preprocess=preprocess, postprocess=postprocess, on_actor_start=on_actor_start,
+        preprocess=preprocess, postprocess=postprocess, on_actor_start=on_actor_start, lora_request=lora_request,
     )
 
 
@@ -191,10 +198,13 @@ class _GenerationActor:
     def __init__(self, processor: Processor) -> None:
         torch.set_num_threads(processor.num_threads)
         self.processor = processor
-        self.llm = LLM(processor.model, **processor.engine_kwargs)
+        lora = processor.lora_request
+        self.llm = LLM(processor.model, **{**({"enable_lora": True} if lora else {}), **processor.engine_kwargs})
+        if lora is not None:  # a bad adapter fails the actor as it starts, not row by row
+            self.llm.engine.load_lora(lora)
         if processor.on_actor_start is not None:
             processor.on_actor_start(self.llm)
-        self.engine = _EngineThread(self.llm)
+        self.engine = _EngineThread(self.llm, lora)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -224,12 +234,12 @@ class _EngineThread:
     """A thread that runs one ``iter_generate`` over a PromptQueue for the actor's whole
     life, so the engine never waits for a batch to end before taking the next one's rows."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, lora_request: LoRARequest | None = None) -> None:
         self.queue = PromptQueue()
         self._waiting: dict[int, Future] = {}
         self._lock = threading.Lock()  # a request cannot finish before its future is registered
         self._failure: BaseException | None = None
-        threading.Thread(target=self._run, args=(llm,), name="contbatch-engine", daemon=True).start()
+        threading.Thread(target=self._run, args=(llm, lora_request), name="contbatch-engine", daemon=True).start()
 
     def submit(self, prompt: dict) -> "Future[RequestOutput]":
         future: Future = Future()
@@ -240,9 +250,9 @@ class _EngineThread:
                 self._waiting[self.queue.put(prompt)] = future
         return future
 
-    def _run(self, llm: LLM) -> None:
+    def _run(self, llm: LLM, lora_request: LoRARequest | None) -> None:
         try:
-            for output in llm.iter_generate(self.queue):
+            for output in llm.iter_generate(self.queue, lora_request=lora_request):
                 with self._lock:
                     future = self._waiting.pop(int(output.request_id))
                 future.set_result(output)

@@ -253,3 +253,27 @@ def test_a_struct_column_of_overrides_merges_over_the_default_and_a_raising_prep
         expected = reference_llm.generate([f"Row {i}: word"], params, use_tqdm=False)[0].outputs[0].token_ids
         assert out[i]["error"] is None and out[i]["generated_token_ids"] == expected, f"row {i}"
     assert out[3]["error"] == "preprocess raised KeyError: 'text'" and out[3]["generated_text"] is None
+
+
+def test_a_lora_adapter_reaches_every_actor_and_gives_the_llms_rows(ray_cluster, chat_model_dir, tmp_path):
+    """``lora_request``: two actors with the adapter give one LLM's adapter tokens, row for row,
+    and not the base model's."""
+    from contbatch import LoRARequest
+    from tests.conftest import make_peft_adapter
+
+    adapter = LoRARequest("a", 1, str(make_peft_adapter(chat_model_dir, tmp_path / "adapter", 0, r=4,
+                                                        target_modules=["q_proj", "v_proj", "down_proj"])))
+    rows = [row for row in _rows(12) if "prompt" in row]
+    out = _by_id(_processor(chat_model_dir, lora_request=adapter)(ray.data.from_items(rows)).take_all())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(chat_model_dir, enable_lora=True, **ENGINE_KWARGS)
+        prompts = [row["prompt"] for row in rows]
+        expected = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapter)
+        base = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        torch.set_num_threads(threads)
+    got = [out[row["id"]]["generated_token_ids"] for row in rows]
+    assert got == [o.outputs[0].token_ids for o in expected]
+    assert got != [o.outputs[0].token_ids for o in base]
