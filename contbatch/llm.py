@@ -144,7 +144,8 @@ class LLM:
         self.dtype = resolve_dtype(dtype, resolved_device, int8_weights)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         self.preparer = PromptPreparer(
-            self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params
+            self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params,
+            self.engine.load_lora,
         )
         self._running = False
 
@@ -207,7 +208,7 @@ class LLM:
         Args:
             prompts: a str, a list of str, a list of token-id lists, dicts with
                 "prompt" or "prompt_token_ids" (and optionally their own
-                "sampling_params"), or any iterable of these. A list is
+                "sampling_params" and "lora_request"), or any iterable of these. A list is
                 validated whole before any work (one ValueError lists every bad
                 index); other iterables are read lazily as the engine has room, and
                 a bad item there gets a RequestOutput with ``error`` set instead. In
@@ -217,7 +218,9 @@ class LLM:
             use_tqdm: show a progress bar with input and output tokens per second.
             lora_request: the LoRA adapter every prompt runs with, or a list with one per
                 prompt (None: the base model); needs LLM(enable_lora=True). Every adapter
-                named is read and checked before any work.
+                named is read and checked before any work. A dict prompt's own
+                "lora_request" takes its place for that prompt (in a lazy iterable or a
+                PromptQueue, the way to give each prompt its own adapter).
 
         Raises:
             GenerationInterrupted: an exception was raised part-way (e.g. by a prompts
@@ -410,6 +413,7 @@ class LLM:
         except (TypeError, ValueError) as exc:
             return _error_output(position, item, str(exc))
         params = prompt.params or params
+        lora = prompt.lora_request or lora
         if params is None:
             return _error_output(position, item, "sampling_params list is shorter than the prompts")
         try:

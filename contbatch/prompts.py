@@ -3,7 +3,8 @@
 Accepted prompt forms: a string, a list of token ids, or a dict with "prompt" and/or
 "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt; given both, the ids are used and
 the text is reported), optionally with a "sampling_params" entry that overrides the
-call's SamplingParams for that prompt.
+call's SamplingParams for that prompt, and a "lora_request" entry that overrides the call's
+LoRA adapter for it (how a lazy stream or a PromptQueue gives each prompt its own).
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
 MAX_LISTED_ERRORS = 20
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "sampling_params"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "sampling_params", "lora_request"})
 
 
 @dataclass
@@ -23,6 +25,7 @@ class PreparedPrompt:
     token_ids: list[int]
     params: SamplingParams | None = None  # what it runs with: its own override, else the call's (None: not paired yet)
     prompt_logprobs_from: int = 1  # with prompt logprobs: the first prompt position scored
+    lora_request: LoRARequest | None = None  # its own adapter (None: the call's)
 
 
 class PromptPreparer:
@@ -32,16 +35,19 @@ class PromptPreparer:
         max_model_len: int,
         vocab_size: int,
         check_params: Callable[[SamplingParams], None],
+        load_lora: Callable[[LoRARequest], None],
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.check_params = check_params
+        self.load_lora = load_lora  # reads and checks an adapter once (LLMEngine.load_lora)
 
     def prepare(self, prompt: object, call_params: SamplingParams | None = None) -> PreparedPrompt:
         """Token ids for one prompt, run with its own SamplingParams if it carries them, else
         ``call_params`` (already checked), whose ``truncate_prompt_tokens`` applies before the
-        length check; ValueError/TypeError saying what is wrong with it."""
+        length check, and with its own LoRA adapter if it names one (read and checked here);
+        ValueError/TypeError saying what is wrong with it."""
         text, token_ids = self._split(prompt)
         if text is not None:
             _check_unicode(text)
@@ -50,6 +56,9 @@ class PromptPreparer:
             self.check_params(params)
         else:
             params = call_params
+        lora_request = _own_lora(prompt)
+        if lora_request is not None:
+            self.load_lora(lora_request)
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this LLM was built with skip_tokenizer_init=True")
@@ -67,7 +76,7 @@ class PromptPreparer:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} allows at most "
                 f"{self.max_model_len - 1} (one position must remain for generated tokens)"
             )
-        return PreparedPrompt(text, list(token_ids), params)
+        return PreparedPrompt(text, list(token_ids), params, lora_request=lora_request)
 
     def _truncated_length(self, truncate_prompt_tokens: int) -> int:
         """The prompt tokens ``truncate_prompt_tokens`` keeps: -1 keeps all a prompt may have."""
@@ -132,6 +141,15 @@ def _own_params(prompt: object) -> SamplingParams | None:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"a prompt's 'sampling_params' must be a SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _own_lora(prompt: object) -> LoRARequest | None:
+    if not isinstance(prompt, dict) or prompt.get("lora_request") is None:
+        return None
+    lora_request = prompt["lora_request"]
+    if not isinstance(lora_request, LoRARequest):
+        raise TypeError(f"a prompt's 'lora_request' must be a LoRARequest or None, got {type(lora_request).__name__}")
+    return lora_request
 
 
 def _check_unicode(text: str) -> None:

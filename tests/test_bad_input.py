@@ -33,7 +33,7 @@ def test_empty_prompt_list_gives_no_outputs_as_in_vllm(llm):
 
 def test_a_misspelt_key_of_a_dict_prompt_is_refused(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: unknown key\(s\) 'sampling_param' in a dict prompt; known: "
-                                         r"'prompt', 'prompt_token_ids', 'sampling_params'"):
+                                         r"'lora_request', 'prompt', 'prompt_token_ids', 'sampling_params'"):
         llm.generate([[5, 6], {"prompt_token_ids": [5, 6], "sampling_param": SamplingParams(max_tokens=1)}])
 
 

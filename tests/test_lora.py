@@ -91,6 +91,57 @@ def test_adapters_and_the_base_model_mixed_in_one_batch(llama_dir, adapters, max
     assert [o.lora_request for o in outputs] == loras  # each output names its adapter, as vLLM's
 
 
+def test_each_prompt_of_a_stream_names_its_own_adapter(llama_dir, adapters):
+    """A dict prompt's "lora_request" overrides the call's: a lazy generator and a PromptQueue
+    mixing two adapters and the base model give each prompt PEFT's tokens for its own adapter."""
+    from contbatch import PromptQueue
+
+    loras = [adapters["all"], None, adapters["some"], adapters["all"], None, adapters["some"]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    items = [{"prompt_token_ids": p, "lora_request": lora} for p, lora in zip(prompts, loras)]
+    llm = _llm(llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2)
+    streamed = llm.generate((item for item in items), GREEDY, use_tqdm=False)
+    queue = PromptQueue()
+    for item in items:
+        queue.put(item)
+    queue.close()
+    queued = sorted(llm.iter_generate(queue, GREEDY), key=lambda o: int(o.request_id))
+    oracles = {None: HFOracle(llama_dir), **{a.lora_int_id: _peft_oracle(llama_dir, a) for a in adapters.values()}}
+    for prompt, lora, tokens in zip(prompts, loras, _ids(streamed)):
+        _expect(oracles[None if lora is None else lora.lora_int_id], tokens, prompt)
+    assert _ids(queued) == _ids(streamed)
+    assert [o.lora_request for o in streamed] == loras
+
+
+def test_a_prompts_own_adapter_overrides_the_calls(llama_dir, adapters):
+    """In a list too: the call's adapter for the prompts that name none, theirs for the others."""
+    llm = _llm(llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
+    items = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[0], "lora_request": adapters["some"]}]
+    outputs = llm.generate(items, GREEDY, use_tqdm=False, lora_request=adapters["all"])
+    assert [o.lora_request for o in outputs] == [adapters["all"], adapters["some"]]
+    _expect(_peft_oracle(llama_dir, adapters["all"]), _ids(outputs)[0], PROMPTS[0])
+    _expect(_peft_oracle(llama_dir, adapters["some"]), _ids(outputs)[1], PROMPTS[0])
+
+
+def test_a_bad_adapter_in_a_prompt_ends_that_prompt_only(llama_dir, adapters, tmp_path):
+    """In a list: one ValueError naming the prompt, before any work. In a stream: that prompt's
+    output carries the error and the others run."""
+    missing = LoRARequest("missing", 9, str(tmp_path / "no-adapter"))
+    llm = _llm(llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
+    items = [{"prompt_token_ids": PROMPTS[0], "lora_request": adapters["all"]},
+             {"prompt_token_ids": PROMPTS[1], "lora_request": missing},
+             {"prompt_token_ids": PROMPTS[2], "lora_request": "all"}]
+    with pytest.raises(ValueError, match=r"2 invalid prompt\(s\).*prompts\[1\]: LoRA adapter .*no-adapter.* is not a "
+                                         r"directory.*prompts\[2\]: a prompt's 'lora_request' must be a LoRARequest"):
+        llm.generate(items, GREEDY, use_tqdm=False)
+    outputs = llm.generate((item for item in items), GREEDY, use_tqdm=False)
+    assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert "is not a directory" in outputs[1].error and "must be a LoRARequest" in outputs[2].error
+    without_lora = _llm(llama_dir, dtype="float32")
+    [refused] = without_lora.generate(iter(items[:1]), GREEDY, use_tqdm=False)
+    assert refused.error == "lora_request needs LLM(..., enable_lora=True)"
+
+
 def test_forked_samples_keep_their_adapter(llama_dir, adapters):
     """n > 1: samples forked from a prompt run with its adapter (greedy, so every sample is PEFT's)."""
     llm = _llm(llama_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
