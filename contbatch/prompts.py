@@ -51,12 +51,12 @@ class PromptPreparer:
         text, token_ids = self._split(prompt)
         if text is not None:
             _check_unicode(text)
-        params = _own_params(prompt)
+        params = _own(prompt, "sampling_params", SamplingParams, "a SamplingParams")
         if params is not None:
             self.check_params(params)
         else:
             params = call_params
-        lora_request = _own_lora(prompt)
+        lora_request = _own(prompt, "lora_request", LoRARequest, "a LoRARequest or None")
         if lora_request is not None:
             self.load_lora(lora_request)
         if token_ids is None:
@@ -134,22 +134,14 @@ def as_prompt_iterable(prompts: object) -> tuple[Iterable, bool]:
     raise TypeError(f"prompts must be a str, a list of prompts or an iterable, got {type(prompts).__name__}")
 
 
-def _own_params(prompt: object) -> SamplingParams | None:
-    if not isinstance(prompt, dict) or prompt.get("sampling_params") is None:
+def _own(prompt: object, key: str, kind: type, allowed: str) -> object | None:
+    """A dict prompt's own override at ``key`` (None where it has none); TypeError unless a ``kind``."""
+    if not isinstance(prompt, dict) or prompt.get(key) is None:
         return None
-    params = prompt["sampling_params"]
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"a prompt's 'sampling_params' must be a SamplingParams, got {type(params).__name__}")
-    return params
-
-
-def _own_lora(prompt: object) -> LoRARequest | None:
-    if not isinstance(prompt, dict) or prompt.get("lora_request") is None:
-        return None
-    lora_request = prompt["lora_request"]
-    if not isinstance(lora_request, LoRARequest):
-        raise TypeError(f"a prompt's 'lora_request' must be a LoRARequest or None, got {type(lora_request).__name__}")
-    return lora_request
+    value = prompt[key]
+    if not isinstance(value, kind):
+        raise TypeError(f"a prompt's {key!r} must be {allowed}, got {type(value).__name__}")
+    return value
 
 
 def _check_unicode(text: str) -> None:
