@@ -20,6 +20,7 @@ import typing
 
 from contbatch.config import KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
 from contbatch.jobs import run_job
+from contbatch.jobs.adapters import adapter_name
 from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 
@@ -193,8 +194,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--quantize-embeddings", action=argparse.BooleanOptionalAction, default=None,
                         help="with --quantization, keep the embedding table in 8-bit blocks too (default: off)")
     engine.add_argument("--lora", metavar="DIR",
-                        help="a PEFT LoRA adapter directory every record runs with (part of the job's settings)")
-    engine.add_argument("--max-lora-rank", type=int, help="highest adapter rank accepted with --lora (default: 16)")
+                        help="a PEFT LoRA adapter directory every record runs with (part of the job's settings); "
+                        "a record's own \"lora_path\" overrides it")
+    engine.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve the LoRA adapters records name in \"lora_path\" (implied by --lora)")
+    engine.add_argument("--max-loras", type=int, help="most adapters in one step, with LoRA on (default: 1)")
+    engine.add_argument("--max-lora-rank", type=int, help="highest adapter rank accepted, with LoRA on (default: 16)")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         help="int8: the KV cache in 8 bits with a scale per token and kv head (about twice the "
                         "tokens of bf16 in the same memory), CPU only (default: auto, the model dtype)")
@@ -282,10 +287,14 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
                                                   "max_model_len", "kv_cache_memory", "enable_prefix_caching",
                                                   "model_impl", "quantization", "quantize_lm_head",
-                                                  "quantize_embeddings", "kv_cache_dtype", "max_lora_rank")}
-    if args.max_lora_rank is not None and args.lora is None:
-        parser.error("--max-lora-rank applies only with --lora")
-    lora = None if args.lora is None else LoRARequest(os.path.basename(os.path.normpath(args.lora)) or "adapter", 1, args.lora)
+                                                  "quantize_embeddings", "kv_cache_dtype", "enable_lora", "max_loras",
+                                                  "max_lora_rank")}
+    if args.lora is not None:
+        engine["enable_lora"] = True
+    for flag in ("max_loras", "max_lora_rank"):
+        if engine[flag] is not None and not engine.get("enable_lora"):
+            parser.error(f"--{flag.replace('_', '-')} applies only with --lora or --enable-lora")
+    lora = None if args.lora is None else LoRARequest(adapter_name(args.lora), 1, args.lora)
     try:
         summary = run_job(
             args.input,

@@ -133,6 +133,10 @@ class LLMEngine:
             raise ValueError("lora_request needs LLM(..., enable_lora=True)")
         self.runner.lora.load(lora_request)
 
+    def loaded_loras(self) -> list[LoRARequest]:
+        """The adapters read so far, one per ``lora_int_id`` (none without enable_lora)."""
+        return [] if self.runner.lora is None else list(self.runner.lora.loaded.values())
+
     def add_request(
         self,
         request_id: int,

@@ -3,7 +3,9 @@ cannot keep a result under an id whose record has changed.
 
 Each result carries ``"fingerprint": {"prompt": hex, "sampling": hex}``: 8 bytes of sha256
 over the record's prompt as given (the text line, or the JSON value of the prompt or
-messages field) and 8 over its own sampling overrides as given. The job-wide settings
+messages field) and 8 over its own sampling overrides as given, with, for a record that names
+its own LoRA adapter, the directory and its content fingerprint (adapters.py; a record that
+names none hashes as before adapters existed, so older results still match). The job-wide settings
 (model, default SamplingParams, fields) are in the settings file instead (settings.py):
 ``force`` may change those without turning every result into a mismatch.
 """
@@ -11,11 +13,11 @@ messages field) and 8 over its own sampling overrides as given. The job-wide set
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contbatch.jobs.reader import BadRecord, RawRecord
+from contbatch.jobs.reader import LORA_KEY, BadRecord, RawRecord
 from contbatch.jobs.records import sampling_overrides
 
 logger = logging.getLogger("contbatch.jobs")
@@ -30,11 +32,24 @@ class InputMismatch(ValueError):
     """Existing results do not match the input records that now have their ids, or cannot be checked."""
 
 
-def fingerprint(record: RawRecord, prompt_key: str) -> bytes:
-    """The digest of the record's prompt, then that of its own sampling overrides (16 bytes)."""
+AdapterDigest = Callable[[str], str]
+"""An adapter directory's content fingerprint (JobAdapters.digest)."""
+
+
+def fingerprint(record: RawRecord, prompt_key: str, adapter_digest: AdapterDigest) -> bytes:
+    """The digest of the record's prompt, then that of its own sampling overrides and adapter (16 bytes)."""
     if isinstance(record.data, str):
         return _digest(record.data) + _digest(None)
-    return _digest(record.data.get(prompt_key)) + _digest(sampling_overrides(record.data))
+    return _digest(record.data.get(prompt_key)) + _digest(_own_settings(record.data, adapter_digest))
+
+
+def _own_settings(data: dict, adapter_digest: AdapterDigest) -> object:
+    overrides = sampling_overrides(data)
+    adapter = data.get(LORA_KEY)
+    if adapter is None:
+        return overrides
+    digest = adapter_digest(adapter) if isinstance(adapter, str) and adapter.strip() else ""  # else a bad record
+    return {"sampling_params": overrides, LORA_KEY: adapter, "adapter": digest}
 
 
 def encode(value: bytes) -> dict:
@@ -88,7 +103,8 @@ class ResumeCheck:
 
 
 def check_results(
-    records: Iterable[RawRecord | BadRecord], done: dict, prompt_key: str, unit: str = "line"
+    records: Iterable[RawRecord | BadRecord], done: dict, prompt_key: str, adapter_digest: AdapterDigest,
+    unit: str = "line",
 ) -> ResumeCheck:
     """Compare each result in ``done`` (id -> fingerprint, None if it has none) with the first
     input record that has its id (``unit`` names its position: "line" or "row"). The compared
@@ -103,7 +119,7 @@ def check_results(
         if stored is None:
             check.unchecked.add(record.id)
             continue
-        current = fingerprint(record, prompt_key)
+        current = fingerprint(record, prompt_key, adapter_digest)
         if current != stored:
             if not check.changed:
                 check.first_changed = _describe(record, stored, current, unit)
@@ -116,8 +132,8 @@ def _describe(record: RawRecord, stored: bytes, current: bytes, unit: str) -> st
     prompt, sampling = (stored[part] != current[part] for part in (slice(_DIGEST_BYTES), slice(_DIGEST_BYTES, None)))
     what = {
         (True, False): "the prompt differs",
-        (False, True): "the sampling settings differ",
-        (True, True): "the prompt and the sampling settings differ",
+        (False, True): "the sampling settings or LoRA adapter differ",
+        (True, True): "the prompt and the sampling settings or LoRA adapter differ",
     }[(prompt, sampling)]
     return f"id {record.id!r} at input {unit} {record.line}: {what}"
 

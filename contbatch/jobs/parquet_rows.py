@@ -22,6 +22,7 @@ _ROLES = {  # role -> (what its column must hold, the test of an Arrow type)
     "id": ("integers or strings", lambda types, t: types.is_integer(t) or _is_text(types, t)),
     "sampling": ("structs of SamplingParams fields, or JSON strings",
                  lambda types, t: types.is_struct(t) or _is_text(types, t)),
+    "adapter": ("strings (LoRA adapter directories)", _is_text),
 }
 
 
@@ -36,8 +37,8 @@ def parquet_column_types(path: Path) -> dict:
 
 
 def check_parquet_types(column_types: dict, roles: dict[str, str]) -> None:
-    """ValueError if a column that plays a role ({column: "prompt", "messages", "id" or
-    "sampling"}) has a type that cannot hold it; columns the file lacks are not checked."""
+    """ValueError if a column that plays a role ({column: "prompt", "messages", "id",
+    "sampling" or "adapter"}) has a type that cannot hold it; columns the file lacks are not checked."""
     types = import_pyarrow()[0].types
     for column, role in roles.items():
         if column not in column_types:

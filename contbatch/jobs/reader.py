@@ -5,11 +5,12 @@ integer), or the 1-based line number when the record has no such field.
 Text: one prompt per line; the id is the line number. Blank lines are skipped in both, and
 a byte-order mark at the start of the file is dropped.
 Parquet and CSV (parquet_rows.py, csv_rows.py): one record per row, holding only the
-columns the job uses (the prompt or messages column, the id column, ``sampling_params``);
+columns the job uses (the prompt or messages column, the id column, ``sampling_params``,
+``lora_path``);
 the id is the id column's value, or the 1-based row number when there is no id column.
 A string in the messages or sampling_params column is JSON (in CSV every cell is a
 string); a Parquet struct or list is taken as it is, less its null fields. An empty string
-in the id, messages or sampling_params column counts as null.
+in the id, messages, sampling_params or lora_path column counts as null.
 """
 
 import json
@@ -27,6 +28,8 @@ _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".txt": 
                ".csv": "csv"}
 OVERRIDE_KEY = "sampling_params"
 """The field or column that holds a record's own sampling overrides (see records.py)."""
+LORA_KEY = "lora_path"
+"""The field or column that names a record's own LoRA adapter directory (see adapters.py)."""
 
 
 @dataclass
@@ -75,7 +78,7 @@ class InputFile:
                 f"{', '.join(map(repr, columns)) or '(none)'}: name the right one with {flag}"
             )
         if self.format == "parquet":
-            roles = {OVERRIDE_KEY: "sampling", self.id_field: "id"}
+            roles = {OVERRIDE_KEY: "sampling", LORA_KEY: "adapter", self.id_field: "id"}
             check_parquet_types(column_types, roles | {self.prompt_key: "messages" if self.chat else "prompt"})
 
     def records(self) -> Iterator[RawRecord | BadRecord]:
@@ -85,7 +88,7 @@ class InputFile:
             return
         read = read_csv_rows if self.format == "csv" else read_parquet_rows
         json_columns = {OVERRIDE_KEY, self.prompt_key} if self.chat else {OVERRIDE_KEY}
-        with closing(read(self.path, (self.prompt_key, self.id_field, OVERRIDE_KEY))) as rows:
+        with closing(read(self.path, (self.prompt_key, self.id_field, OVERRIDE_KEY, LORA_KEY))) as rows:
             for number, row in rows:
                 yield _table_record(number, row, self.id_field, json_columns)
 
@@ -140,7 +143,7 @@ def _table_record(number: int, row: dict | str, id_field: str, json_columns: set
     """A Parquet or CSV row (or what is wrong with it) as a record; JSON strings in ``json_columns`` decoded."""
     if isinstance(row, str):
         return BadRecord(number, None, row)
-    nullable = json_columns | {id_field}
+    nullable = json_columns | {id_field, LORA_KEY}
     data = {name: None if value == "" and name in nullable else value for name, value in row.items()}
     record = _with_id(number, data, id_field)
     if isinstance(record, BadRecord):

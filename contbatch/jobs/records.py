@@ -11,7 +11,8 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from contbatch.jobs.reader import OVERRIDE_KEY, RawRecord
+from contbatch.jobs.adapters import JobAdapters, named_adapter
+from contbatch.jobs.reader import LORA_KEY, OVERRIDE_KEY, RawRecord
 from contbatch.prompts import render_conversation, validate_conversation
 from contbatch.sampling_params import SAMPLING_FIELDS, SamplingParams, with_overrides
 
@@ -32,7 +33,10 @@ class RecordBuilder:
         prompt_field: str,
         messages_field: str | None,
         tokenizer: PreTrainedTokenizerBase | None,
+        adapters: JobAdapters | None = None,
     ) -> None:
+        """``adapters``: the job's, where its LLM serves LoRA adapters (None: a record that
+        names one is a bad record)."""
         if messages_field is not None and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
             raise ValueError(
                 f"messages_field={messages_field!r} needs a tokenizer with a chat template; this model has none"
@@ -41,6 +45,7 @@ class RecordBuilder:
         self.prompt_field = prompt_field
         self.messages_field = messages_field
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self._warned = False  # about top-level fields named like sampling parameters
 
     def build(self, record: RawRecord) -> dict:
@@ -53,6 +58,12 @@ class RecordBuilder:
         params = self._params(record.data)
         if params is not None:
             prompt["sampling_params"] = params
+        adapter = named_adapter(record.data)
+        if adapter is not None:
+            if self.adapters is None:
+                raise ValueError(f"field {LORA_KEY!r} names a LoRA adapter, but this job runs without LoRA: "
+                                 "pass --enable-lora (llm_kwargs={'enable_lora': True}) or --lora DIR")
+            prompt["lora_request"] = self.adapters.request(adapter)
         return prompt
 
     def _text(self, data: dict) -> str:

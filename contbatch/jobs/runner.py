@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contbatch.jobs import fingerprints
+from contbatch.jobs.adapters import JobAdapters
 from contbatch.jobs.ledger import Claim, IdLedger
 from contbatch.jobs.output import (
     STDOUT,
@@ -168,7 +169,10 @@ def run_job(
             written, e.g. to follow the job's progress.
         lora_request: a LoRA adapter every record runs with (the LLM it builds gets
             enable_lora=True; a given ``llm`` must have it). Its directory's fingerprint is
-            part of the job's settings, so a resume with another adapter is refused.
+            part of the job's settings, so a resume with another adapter is refused. A
+            record's own ``"lora_path"`` (a PEFT adapter directory) overrides it for that
+            record, where the LLM has enable_lora (``llm_kwargs``); each record's adapter
+            and the adapter directory's content are part of its fingerprint.
 
     On SIGINT (in the main thread) no new records are started, in-flight ones finish
     and are written, and the summary has status "interrupted"; a second SIGINT
@@ -190,9 +194,10 @@ def run_job(
     writer = ResultWriter(journal, fsync_every, fsync_interval) if to_file else StdoutWriter()
     meta_path = output_path.with_name(output_path.name + ".meta.json")
     prompt = _prompt_settings(source)
+    adapters = JobAdapters(lora_request)
     try:
         known = input_settings(params, prompt)
-        redo = _check_resume(writer, meta_path, known, source, redo_mismatched, force)
+        redo = _check_resume(writer, meta_path, known, source, adapters, redo_mismatched, force)
         lora_kwargs = {"enable_lora": True} if lora_request is not None else {}
         llm = llm or LLM(model, **{**lora_kwargs, **(llm_kwargs or {})})
         if lora_request is not None:  # a bad adapter is refused before any record runs
@@ -201,9 +206,11 @@ def run_job(
                                 llm.engine.quantization, llm.engine.config.kv_cache_dtype,
                                 None if lora_request is None else model_fingerprint(Path(lora_request.lora_path)))
         rewrite_meta = to_file and check_settings(meta_path, settings, bool(writer.done), force)
-        builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer())
+        adapters.know(llm.engine.loaded_loras())
+        builder = RecordBuilder(params, prompt_field, messages_field, llm.get_tokenizer(),
+                                adapters if llm.engine.config.enable_lora else None)
         errors = ErrorLog(output_path.with_name(output_path.name + ".errors.jsonl") if to_file else None)
-        job = _Job(source, builder, writer, errors, on_error, on_result)
+        job = _Job(source, builder, adapters, writer, errors, on_error, on_result)
         try:
             if on_error == "stop":
                 job.validate_all()
@@ -239,7 +246,7 @@ def run_job(
 
 def _check_resume(
     writer: ResultWriter | StdoutWriter, meta_path: Path, known_settings: dict, source: InputFile,
-    redo_mismatched: bool, force: bool,
+    adapters: JobAdapters, redo_mismatched: bool, force: bool,
 ) -> set:
     """Before the model loads: the ids whose results must be generated again; SettingsMismatch or
     InputMismatch when the existing results cannot be used as they are. The settings known
@@ -249,7 +256,7 @@ def _check_resume(
     require_settings_file(meta_path, True, force)
     check_settings(meta_path, known_settings, True, force, partial=True)
     with closing(source.records()) as records:
-        check = fingerprints.check_results(records, writer.done, source.prompt_key, source.unit)
+        check = fingerprints.check_results(records, writer.done, source.prompt_key, adapters.digest, source.unit)
     return check.to_redo(writer.path, redo_mismatched, force)
 
 
@@ -311,6 +318,7 @@ class _Job:
         self,
         source: InputFile,
         builder: RecordBuilder,
+        adapters: JobAdapters,
         writer: ResultWriter | StdoutWriter,
         errors: ErrorLog,
         on_error: str,
@@ -318,6 +326,7 @@ class _Job:
     ) -> None:
         self.source = source
         self.builder = builder
+        self.adapters = adapters
         self.writer = writer
         self.errors = errors
         self.on_error = on_error
@@ -358,7 +367,8 @@ class _Job:
                     self._bad(item, stop)
                     continue
                 record, prompt = item
-                inflight[next(positions)] = record, fingerprints.fingerprint(record, self.source.prompt_key)
+                inflight[next(positions)] = record, fingerprints.fingerprint(record, self.source.prompt_key,
+                                                                             self.adapters.digest)
                 yield prompt
 
         started = time.perf_counter()

@@ -33,7 +33,7 @@ def test_inserted_line_is_refused_before_the_model_loads(run, tmp_path, no_model
 @pytest.mark.parametrize(
     "field, value, what",
     [("prompt", "A different question", "the prompt differs"),
-     ("sampling_params", {"max_tokens": 2}, "the sampling settings differ")],
+     ("sampling_params", {"max_tokens": 2}, "the sampling settings or LoRA adapter differ")],
 )
 def test_edited_record_under_the_same_id_is_refused(run, tmp_path, field, value, what):
     records = prompt_records(6)  # q3 overrides max_tokens (4)

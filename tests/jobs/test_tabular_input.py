@@ -112,6 +112,7 @@ def test_missing_prompt_column_is_refused_before_any_work(run, tmp_path, table, 
         ([{"prompt": 7}], "column 'prompt' has type int64; the prompt column must hold strings"),
         ([{"prompt": "x", "id": 1.5}], "column 'id' has type double; the id column must hold integers or strings"),
         ([{"prompt": "x", "sampling_params": [1]}], "the sampling column must hold structs"),
+        ([{"prompt": "x", "lora_path": 3}], "column 'lora_path' has type int64; the adapter column must hold strings"),
     ],
 )
 def test_parquet_column_of_an_unusable_type_is_refused(run, tmp_path, records, message, no_model_load):
