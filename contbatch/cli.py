@@ -20,7 +20,7 @@ import typing
 
 from contbatch.config import KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
 from contbatch.jobs import run_job
-from contbatch.jobs.adapters import adapter_name
+from contbatch.lora.by_path import adapter_name
 from contbatch.lora.request import LoRARequest
 from contbatch.sampling_params import SamplingParams
 

@@ -42,6 +42,7 @@ import torch
 
 from contbatch.jobs.reader import without_nulls
 from contbatch.llm import LLM
+from contbatch.lora.by_path import AdaptersByPath, checked_adapter_path
 from contbatch.lora.request import LoRARequest
 from contbatch.outputs import RequestOutput
 from contbatch.prompt_queue import PromptQueue
@@ -116,7 +117,11 @@ def build_processor(
     Each input row is a prompt: a "prompt" column (text), "prompt_token_ids", or "messages"
     (a chat conversation, formatted with the model's chat template), and optionally its own
     "sampling_params": a SamplingParams, or a dict (a struct column) of the fields that
-    override ``sampling_params`` for that row, its null fields left out. The output has the input's
+    override ``sampling_params`` for that row, its null fields left out; and its own LoRA
+    adapter: a "lora_path" column (a PEFT adapter directory, the same path on every node;
+    null: ``lora_request``'s adapter, or none), or a LoRARequest that ``preprocess`` returns
+    under "lora_request". Rows that name adapters need ``engine_kwargs={"enable_lora": True}``
+    (implied by ``lora_request``; "max_loras" lets several run in one step). The output has the input's
     columns plus ``COMPLETION_SCHEMA``'s: generated_text, generated_token_ids, finish_reason
     and error. A row that cannot run (a bad prompt or sampling_params) gets ``error`` set and
     the other columns None, as does a row on which ``preprocess`` raises; the others run on.
@@ -139,7 +144,8 @@ def build_processor(
         map_batches_kwargs: further ``Dataset.map_batches`` arguments for the generation
             stage, e.g. ``{"resources": {...}, "runtime_env": {...}}``.
         preprocess: maps an input row to the dict the engine reads (its "prompt",
-            "prompt_token_ids" or "messages", and optionally "sampling_params"); runs in the actor.
+            "prompt_token_ids" or "messages", and optionally "sampling_params", "lora_path"
+            or "lora_request"); runs in the actor.
         postprocess: maps each output row (input columns + completion columns) to the row kept.
         on_actor_start: called with the LLM in each actor once it is built (again in a
             restarted actor): to add a stats listener, log or warm up.
@@ -204,6 +210,7 @@ class _GenerationActor:
             self.llm.engine.load_lora(lora)
         if processor.on_actor_start is not None:
             processor.on_actor_start(self.llm)
+        self.adapters = AdaptersByPath(self.llm.engine.loaded_loras())  # rows' "lora_path"s
         self.engine = _EngineThread(self.llm, lora)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -224,7 +231,7 @@ class _GenerationActor:
         except Exception as exc:  # the user's code: that row fails alone
             return _failed(f"preprocess raised {type(exc).__name__}: {exc}")
         try:
-            prompt = _engine_prompt(fields, self.llm, self.processor.sampling_params)
+            prompt = _engine_prompt(fields, self.llm, self.processor.sampling_params, self.adapters)
         except (TypeError, ValueError) as exc:
             return _failed(str(exc))
         return _completion_columns(await asyncio.wrap_future(self.engine.submit(prompt)))
@@ -264,17 +271,30 @@ class _EngineThread:
                 future.set_exception(exc)
 
 
-def _engine_prompt(fields: dict, llm: LLM, default_params: SamplingParams) -> dict:
+def _engine_prompt(fields: dict, llm: LLM, default_params: SamplingParams, adapters: AdaptersByPath) -> dict:
     """The prompt dict LLM takes for one row's fields; TypeError/ValueError saying what is wrong."""
     if not isinstance(fields, dict):
         raise TypeError(f"preprocess must return a dict, got {type(fields).__name__}")
     params = _row_sampling_params(fields.get("sampling_params"), default_params)
+    own = {"sampling_params": params, "lora_request": _row_adapter(fields, llm, adapters)}
     if fields.get("messages") is not None:
-        return {**llm.render_chat(fields["messages"]), "sampling_params": params}
+        return {**llm.render_chat(fields["messages"]), **own}
     prompt = {key: fields[key] for key in ("prompt", "prompt_token_ids") if fields.get(key) is not None}
     if not prompt:
         raise ValueError(f"a row needs a 'prompt', 'prompt_token_ids' or 'messages' value; it has {sorted(fields)}")
-    return {**prompt, "sampling_params": params}
+    return {**prompt, **own}
+
+
+def _row_adapter(fields: dict, llm: LLM, adapters: AdaptersByPath) -> LoRARequest | None:
+    """A row's own adapter (None: the processor's): its "lora_request", else its "lora_path"."""
+    path = checked_adapter_path(fields.get("lora_path"), "a row's 'lora_path'")
+    request = fields.get("lora_request")
+    if request is None and path is None:
+        return None
+    if not llm.engine.config.enable_lora:
+        raise ValueError("a row names a LoRA adapter, but the actors' LLM serves none: pass "
+                         "engine_kwargs={'enable_lora': True} (or lora_request) to build_processor")
+    return request if request is not None else adapters.request(path)
 
 
 def _row_sampling_params(value: object, default: SamplingParams) -> SamplingParams:

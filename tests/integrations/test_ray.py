@@ -277,3 +277,48 @@ def test_a_lora_adapter_reaches_every_actor_and_gives_the_llms_rows(ray_cluster,
     got = [out[row["id"]]["generated_token_ids"] for row in rows]
     assert got == [o.outputs[0].token_ids for o in expected]
     assert got != [o.outputs[0].token_ids for o in base]
+
+
+def test_each_row_names_its_own_adapter_by_lora_path(ray_cluster, chat_model_dir, tmp_path):
+    """A "lora_path" column (null: the base model) and a LoRARequest that preprocess returns:
+    each row's tokens are one LLM's for its adapter; a row naming a missing directory fails alone."""
+    from contbatch import LoRARequest
+    from tests.conftest import make_peft_adapter
+
+    dirs = [str(make_peft_adapter(chat_model_dir, tmp_path / f"adapter{i}", i, scale=4.0, r=4,
+                                  target_modules=["q_proj", "v_proj", "down_proj"])) for i in range(2)]
+    paths = [dirs[0], None, dirs[1], dirs[0], None, dirs[1], str(tmp_path / "nowhere")]
+    rows = [{"id": i, "prompt": f"Row {i}: word", "lora_path": path} for i, path in enumerate(paths)]
+    by_preprocess = LoRARequest("direct", 7, dirs[1])
+
+    def preprocess(row: dict) -> dict:
+        return {**row, "lora_request": by_preprocess} if row["id"] == 1 else row
+
+    processor = _processor(chat_model_dir, engine_kwargs={**ENGINE_KWARGS, "enable_lora": True, "max_loras": 2},
+                           preprocess=preprocess)
+    out = _by_id(processor(ray.data.from_items(rows)).take_all())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(chat_model_dir, enable_lora=True, max_loras=2, **ENGINE_KWARGS)
+        loras = [LoRARequest("a", 1, dirs[0]), by_preprocess, LoRARequest("b", 2, dirs[1])]
+        loras = [loras[0], loras[1], loras[2], loras[0], None, loras[2]]
+        expected = llm.generate([row["prompt"] for row in rows[:6]], GREEDY, use_tqdm=False, lora_request=loras)
+        base = llm.generate([row["prompt"] for row in rows[:6]], GREEDY, use_tqdm=False)
+    finally:
+        torch.set_num_threads(threads)
+    got = [out[i]["generated_token_ids"] for i in range(6)]
+    assert got == [o.outputs[0].token_ids for o in expected]
+    assert got != [o.outputs[0].token_ids for o in base]
+    assert "nowhere' is not a directory" in out[6]["error"] and out[6]["generated_token_ids"] is None
+
+
+def test_a_row_naming_an_adapter_is_refused_where_the_actors_serve_none(reference_llm):
+    from contbatch.integrations.ray import _engine_prompt
+    from contbatch.lora.by_path import AdaptersByPath
+
+    with pytest.raises(ValueError, match=r"engine_kwargs=\{'enable_lora': True\}"):
+        _engine_prompt({"prompt": "x", "lora_path": "/adapters/a"}, reference_llm, GREEDY, AdaptersByPath())
+    with pytest.raises(TypeError, match="a row's 'lora_path' must be a LoRA adapter directory"):
+        _engine_prompt({"prompt": "x", "lora_path": 3}, reference_llm, GREEDY, AdaptersByPath())
+    assert _engine_prompt({"prompt": "x"}, reference_llm, GREEDY, AdaptersByPath())["lora_request"] is None
