@@ -1,5 +1,6 @@
 """contbatch: offline batched LLM generation with continuous batching and a paged KV cache."""
 
+from contbatch.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from contbatch.jobs import run_job
 from contbatch.llm import LLM
 from contbatch.lora import LoRARequest
@@ -14,5 +15,6 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "GenerationInterrupted",
     "GenerationCancelled", "run_job",
     "LoglikelihoodOutput", "LabelScores", "PromptQueue", "LoRARequest",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

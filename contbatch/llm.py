@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from contbatch.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
@@ -143,9 +144,9 @@ class LLM:
         int8_weights = dtype == "auto" and _int8_weights(Path(model), config)  # the file is read only for "auto"
         self.dtype = resolve_dtype(dtype, resolved_device, int8_weights)
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
+        engine = self.engine
         self.preparer = PromptPreparer(
-            self.engine.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.check_params,
-            self.engine.load_lora,
+            engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.check_params, engine.load_lora
         )
         self._running = False
 
@@ -341,6 +342,40 @@ class LLM:
                 raise ValueError(f"prompts[{start // len(labels)}] could not be scored: {failed}")
             results.append(label_scores(labels, outputs))
         return results
+
+    def beam_search(
+        self,
+        prompts: Sequence[object],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt by length-penalised
+        log-probability, as vLLM's ``LLM.beam_search`` (contbatch/beam_search.py).
+
+        ``prompts``: a list of the forms generate() takes (their own "sampling_params" are not
+        used), validated whole before any work; ``lora_request`` as in generate(). Every step
+        runs the live beams of all prompts together, each beam reusing the step before's KV
+        blocks through the prefix cache. ``use_tqdm``: a bar over the steps."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        items, _ = as_prompt_iterable(prompts)
+        loras = list(itertools.islice(_lora_iterator(lora_request, len(items), self.engine.load_lora), len(items)))
+        prepared = self.preparer.prepare_all(items, itertools.repeat(None))
+        loras = [prompt.lora_request or lora for prompt, lora in zip(prepared, loras)]
+        search = BeamSearch(params, self.engine.eos_token_ids, self.engine.max_model_len)
+        tokenizer = self.engine.tokenizer
+        steps = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+
+        def generate_step(step_prompts: list[dict], step_params: SamplingParams, step_loras: list) -> list:
+            steps.update(1)
+            return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
+
+        with steps:
+            return search.run([prompt.token_ids for prompt in prepared], loras, generate_step,
+                              None if tokenizer is None else tokenizer.decode)
 
     def _prepare_pairs(
         self, requests: Sequence, name: Callable[[int], str]
