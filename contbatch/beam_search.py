@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from contbatch.lora.request import LoRARequest
 from contbatch.outputs import RequestOutput, TokenLogprobs
-from contbatch.sampling_params import SamplingParams
+from contbatch.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class BeamSearchParams:
     """vLLM's BeamSearchParams.
 
     Attributes:
-        beam_width: beams kept per prompt, and sequences returned (int >= 1).
+        beam_width: beams kept per prompt, and sequences returned (1 to 10: each step asks
+            for 2 x beam_width log-probabilities, at most 20, as vLLM's default max_logprobs).
         max_tokens: most tokens a beam generates (int >= 1).
         ignore_eos: keep extending beams past EOS tokens instead of completing them.
         temperature: accepted for vLLM's signature; the scores are the raw distribution's
@@ -52,6 +53,10 @@ class BeamSearchParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BeamSearchParams.{name} must be an int >= 1, got {value!r}")
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"BeamSearchParams.beam_width must be at most {MAX_LOGPROBS // 2} (each step ranks "
+                             f"2 x beam_width candidates a beam, of at most {MAX_LOGPROBS} served), "
+                             f"got {self.beam_width}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BeamSearchParams.{name} must be a bool, got {getattr(self, name)!r}")

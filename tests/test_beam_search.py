@@ -98,6 +98,8 @@ def test_bad_input_is_refused_before_any_work(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, dtype="float32")
     with pytest.raises(ValueError, match="BeamSearchParams.beam_width must be an int >= 1, got 0"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="BeamSearchParams.beam_width must be at most 10 .*got 11"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
     with pytest.raises(ValueError, match="BeamSearchParams.length_penalty must be a finite number"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
     with pytest.raises(TypeError, match="params must be a BeamSearchParams, got SamplingParams"):
@@ -105,6 +107,12 @@ def test_bad_input_is_refused_before_any_work(tiny_model_dirs):
     with pytest.raises(ValueError, match=r"1 invalid prompt\(s\), nothing was run: prompts\[1\]: prompt has no tokens"):
         llm.beam_search([[1, 2], []], BeamSearchParams(beam_width=2, max_tokens=4))
     assert llm.engine.stats.num_steps == 0
+
+
+def test_beams_that_fill_the_context_end_there(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", max_model_len=16)
+    [output] = llm.beam_search([list(range(1, 11))], BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+    assert [(len(seq.tokens), seq.finish_reason) for seq in output.sequences] == [(16, "length")] * 3
 
 
 def test_the_score_leaves_a_final_eos_out_of_the_length():
