@@ -15,6 +15,8 @@ from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.interrupts import StepInterrupts
 from contbatch.lora.request import LoRARequest
+from contbatch.models.generation_config import FILE as GENERATION_CONFIG_FILE
+from contbatch.models.generation_config import sampling_defaults
 from contbatch.models.gguf import has_q8_0_layers, is_gguf_file
 from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
@@ -88,6 +90,11 @@ class LLM:
         max_loras: the most adapters the running requests use between them in one step (as
             vLLM's); requests of another adapter wait for a place.
         max_lora_rank: the highest adapter rank accepted (vLLM's default, 16).
+        generation_config: "auto" (vLLM's default): prompts given no SamplingParams run with
+            the sampling settings the model's generation_config.json recommends (temperature,
+            top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+            SamplingParams' defaults; "vllm": SamplingParams() as it is. See
+            ``get_default_sampling_params``.
 
     Example:
         >>> llm = LLM("path/to/model")
@@ -118,6 +125,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        generation_config: str = "auto",
     ) -> None:
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -143,12 +151,18 @@ class LLM:
         config.block_size = resolve_block_size(config.block_size, resolved_device)
         int8_weights = dtype == "auto" and _int8_weights(Path(model), config)  # the file is read only for "auto"
         self.dtype = resolve_dtype(dtype, resolved_device, int8_weights)
+        self._default_params = _default_params(Path(model), generation_config)  # before the weights load
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         engine = self.engine
         self.preparer = PromptPreparer(
             engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.check_params, engine.load_lora
         )
         self._running = False
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What prompts given no SamplingParams run with: SamplingParams() with the model's
+        generation_config.json settings over it (``LLM(generation_config=...)``), as vLLM's."""
+        return self._default_params
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -215,7 +229,8 @@ class LLM:
                 a bad item there gets a RequestOutput with ``error`` set instead. In
                 any form, a request that fails as it starts ends alone, with ``error`` set.
             sampling_params: one SamplingParams for all prompts, or a list with one
-                per prompt. Default: SamplingParams().
+                per prompt. Default: ``get_default_sampling_params()`` (SamplingParams()
+                with the model's generation_config.json settings, as vLLM's).
             use_tqdm: show a progress bar with input and output tokens per second.
             lora_request: the LoRA adapter every prompt runs with, or a list with one per
                 prompt (None: the base model); needs LLM(enable_lora=True). Every adapter
@@ -262,7 +277,8 @@ class LLM:
         self._check_idle()  # here too, so that generate() raises it as it is, before any work
         items, materialised = as_prompt_iterable(prompts)
         total = len(items) if materialised else None
-        params = _params_iterator(sampling_params, total, self.engine.check_params)
+        given = self._default_params if sampling_params is None else sampling_params
+        params = _params_iterator(given, total, self.engine.check_params)
         loras = _lora_iterator(lora_request, total, self.engine.load_lora)
         if total == 0:  # as vLLM: nothing to do (a filter upstream may leave no prompt)
             return iter(())
@@ -456,6 +472,17 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
             return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None
+
+
+def _default_params(model: Path, generation_config: str) -> SamplingParams:
+    """SamplingParams() with the model's recommended settings over it; ValueError naming the
+    file where they are not valid SamplingParams values."""
+    defaults = sampling_defaults(model, generation_config)
+    try:
+        return SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{str(model / GENERATION_CONFIG_FILE)!r}: {exc} (LLM(generation_config='vllm') "
+                         "ignores the file's sampling settings)") from exc
 
 
 def _int8_weights(model: Path, config: EngineConfig) -> bool:
