@@ -34,7 +34,6 @@ class JobAdapters(AdaptersByPath):
         return self._digests[path]
 
 
-
 def named_adapter(data: dict) -> str | None:
     """A record's own adapter directory, None when it names none."""
     return checked_adapter_path(data.get(LORA_KEY), f"field {LORA_KEY!r}")

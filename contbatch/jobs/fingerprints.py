@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contbatch.jobs.adapters import named_adapter
 from contbatch.jobs.reader import LORA_KEY, BadRecord, RawRecord
 from contbatch.jobs.records import sampling_overrides
 
@@ -45,11 +46,14 @@ def fingerprint(record: RawRecord, prompt_key: str, adapter_digest: AdapterDiges
 
 def _own_settings(data: dict, adapter_digest: AdapterDigest) -> object:
     overrides = sampling_overrides(data)
-    adapter = data.get(LORA_KEY)
-    if adapter is None:
+    given = data.get(LORA_KEY)
+    if given is None:
         return overrides
-    digest = adapter_digest(adapter) if isinstance(adapter, str) and adapter.strip() else ""  # else a bad record
-    return {"sampling_params": overrides, LORA_KEY: adapter, "adapter": digest}
+    try:
+        digest = adapter_digest(named_adapter(data))
+    except (TypeError, ValueError):  # not a directory name: a bad record, compared as given
+        digest = ""
+    return {"sampling_params": overrides, LORA_KEY: given, "adapter": digest}
 
 
 def encode(value: bytes) -> dict:
