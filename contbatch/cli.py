@@ -22,6 +22,7 @@ from contbatch.config import KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
 from contbatch.jobs import run_job
 from contbatch.lora.by_path import adapter_name
 from contbatch.lora.request import LoRARequest
+from contbatch.models.generation_config import GENERATION_CONFIGS
 from contbatch.sampling_params import SamplingParams
 
 EXIT_ERROR = 1
@@ -198,6 +199,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "a record's own \"lora_path\" overrides it")
     engine.add_argument("--enable-lora", action="store_true", default=None,
                         help="serve the LoRA adapters records name in \"lora_path\" (implied by --lora)")
+    engine.add_argument("--generation-config", choices=GENERATION_CONFIGS,
+                        help="auto: the sampling flags not given take the model's generation_config.json "
+                        "settings (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as "
+                        "vLLM's; vllm: SamplingParams' own defaults (default: auto)")
     engine.add_argument("--max-loras", type=int, help="most adapters in one step, with LoRA on (default: 1)")
     engine.add_argument("--max-lora-rank", type=int, help="highest adapter rank accepted, with LoRA on (default: 16)")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
@@ -207,7 +212,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per SamplingParams field (bools as --x/--no-x, lists repeatable); help from its docstring."""
-    sampling = parser.add_argument_group("sampling (defaults for every record; see contbatch.SamplingParams)")
+    sampling = parser.add_argument_group(
+        "sampling (defaults for every record, over the model's generation_config.json; see contbatch.SamplingParams)")
     docs = _field_docs(SamplingParams)
     hints = typing.get_type_hints(SamplingParams)
     for field in dataclasses.fields(SamplingParams):
@@ -281,14 +287,14 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     sampling = {key.removeprefix("sampling_"): value for key, value in vars(args).items()
                 if key.startswith("sampling_") and value is not None}
     try:
-        params = SamplingParams(**sampling)
+        SamplingParams(**sampling)  # a bad flag is a usage error; the flags go over the model's defaults
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     engine = {key: getattr(args, key) for key in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
                                                   "max_model_len", "kv_cache_memory", "enable_prefix_caching",
                                                   "model_impl", "quantization", "quantize_lm_head",
                                                   "quantize_embeddings", "kv_cache_dtype", "enable_lora", "max_loras",
-                                                  "max_lora_rank")}
+                                                  "max_lora_rank", "generation_config")}
     if args.lora is not None:
         engine["enable_lora"] = True
     for flag in ("max_loras", "max_lora_rank"):
@@ -300,7 +306,7 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.input,
             args.output,
             model=args.model,
-            sampling_params=params,
+            sampling_params=sampling,
             input_format=args.format,
             output_format=args.output_format,
             prompt_field=args.prompt_field,

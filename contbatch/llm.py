@@ -15,8 +15,7 @@ from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
 from contbatch.interrupts import StepInterrupts
 from contbatch.lora.request import LoRARequest
-from contbatch.models.generation_config import FILE as GENERATION_CONFIG_FILE
-from contbatch.models.generation_config import sampling_defaults
+from contbatch.models.generation_config import default_sampling_params
 from contbatch.models.gguf import has_q8_0_layers, is_gguf_file
 from contbatch.outputs import GenerationCancelled, GenerationInterrupted, RequestMetrics, RequestOutput
 from contbatch.prompt_queue import IterableFeed, PromptQueue
@@ -151,7 +150,7 @@ class LLM:
         config.block_size = resolve_block_size(config.block_size, resolved_device)
         int8_weights = dtype == "auto" and _int8_weights(Path(model), config)  # the file is read only for "auto"
         self.dtype = resolve_dtype(dtype, resolved_device, int8_weights)
-        self._default_params = _default_params(Path(model), generation_config)  # before the weights load
+        self._default_params = default_sampling_params(Path(model), generation_config)  # before the weights load
         self.engine = LLMEngine(Path(model), config, resolved_device, self.dtype, skip_tokenizer_init)
         engine = self.engine
         self.preparer = PromptPreparer(
@@ -472,17 +471,6 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 - whatever fails, it ends this request only
             return _error_output(position, prompt.text, f"the request could not start: {type(exc).__name__}: {exc}")
         return None
-
-
-def _default_params(model: Path, generation_config: str) -> SamplingParams:
-    """SamplingParams() with the model's recommended settings over it; ValueError naming the
-    file where they are not valid SamplingParams values."""
-    defaults = sampling_defaults(model, generation_config)
-    try:
-        return SamplingParams(**defaults)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{str(model / GENERATION_CONFIG_FILE)!r}: {exc} (LLM(generation_config='vllm') "
-                         "ignores the file's sampling settings)") from exc
 
 
 def _int8_weights(model: Path, config: EngineConfig) -> bool:

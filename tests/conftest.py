@@ -3,6 +3,7 @@ with a real tokenizer (every tiny model is built here), the real demo model (as 
 as its GGUF file, from which smaller GGUF files are written), and the HF transformers oracle
 they are checked against."""
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -202,6 +203,18 @@ def chat_model_dir(tmp_path_factory, smollm_dir) -> Path:
     for name in TOKENIZER_FILES:
         if (smollm_dir / name).exists():
             shutil.copy(smollm_dir / name, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def recommending_chat_model_dir(tmp_path_factory, chat_model_dir) -> Path:
+    """chat_model_dir with a generation_config.json that recommends sampling settings (greedy
+    is not among them: temperature 0.6, top_k 5, and 2 new tokens)."""
+    path = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(chat_model_dir, path)
+    settings = json.loads((path / "generation_config.json").read_text())
+    recommended = {"temperature": 0.6, "top_k": 5, "max_new_tokens": 2, "do_sample": True}
+    (path / "generation_config.json").write_text(json.dumps({**settings, **recommended}))
     return path
 
 

@@ -64,7 +64,7 @@ class Processor:
     """Maps a Dataset of prompts to the same rows with their completions; made by build_processor()."""
 
     model: str
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: each actor's LLM's get_default_sampling_params()
     engine_kwargs: dict
     concurrency: int
     batch_size: int
@@ -130,7 +130,9 @@ def build_processor(
 
     Args:
         model: model directory, the same path on every node.
-        sampling_params: for rows without their own (n must be 1); default SamplingParams().
+        sampling_params: for rows without their own (n must be 1); default: the model's
+            (``LLM.get_default_sampling_params()``: its generation_config.json over
+            SamplingParams(), unless engine_kwargs has generation_config="vllm").
         engine_kwargs: keyword arguments of ``LLM(model, ...)`` for each actor's LLM, e.g.
             dtype, max_num_seqs, kv_cache_memory (size it: every actor on a node has one).
         concurrency: number of actors, each holding one LLM.
@@ -163,10 +165,10 @@ def build_processor(
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    params = sampling_params if sampling_params is not None else SamplingParams()
-    _check_one_completion(params)
+    if sampling_params is not None:
+        _check_one_completion(sampling_params)
     return Processor(
-        model=str(model), sampling_params=params, engine_kwargs=dict(engine_kwargs or {}),
+        model=str(model), sampling_params=sampling_params, engine_kwargs=dict(engine_kwargs or {}),
         concurrency=concurrency, batch_size=batch_size, max_concurrent_batches=max_concurrent_batches,
         num_cpus=num_cpus, num_threads=threads, memory=memory,
         map_batches_kwargs=dict(map_batches_kwargs or {}),
@@ -211,6 +213,8 @@ class _GenerationActor:
         if processor.on_actor_start is not None:
             processor.on_actor_start(self.llm)
         self.adapters = AdaptersByPath(self.llm.engine.loaded_loras())  # rows' "lora_path"s
+        given = processor.sampling_params
+        self.default_params = given if given is not None else self.llm.get_default_sampling_params()
         self.engine = _EngineThread(self.llm, lora)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -231,7 +235,7 @@ class _GenerationActor:
         except Exception as exc:  # the user's code: that row fails alone
             return _failed(f"preprocess raised {type(exc).__name__}: {exc}")
         try:
-            prompt = _engine_prompt(fields, self.llm, self.processor.sampling_params, self.adapters)
+            prompt = _engine_prompt(fields, self.llm, self.default_params, self.adapters)
         except (TypeError, ValueError) as exc:
             return _failed(str(exc))
         return _completion_columns(await asyncio.wrap_future(self.engine.submit(prompt)))

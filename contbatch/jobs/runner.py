@@ -38,6 +38,7 @@ from contbatch.jobs.settings import (
 )
 from contbatch.llm import LLM
 from contbatch.lora.request import LoRARequest
+from contbatch.models.generation_config import default_sampling_params
 from contbatch.outputs import CompletionOutput, RequestOutput
 from contbatch.sampling_params import SamplingParams, with_overrides
 
@@ -143,8 +144,10 @@ def run_job(
         model: model directory or GGUF file; default: the demo model. Needed with ``llm`` too
             (it identifies the model in the settings file).
         llm: an LLM built from ``model`` to reuse; default: one built with ``llm_kwargs``.
-        sampling_params: defaults for every record (a SamplingParams, or a dict of its fields); lines may override fields
-            (see contbatch.jobs.records).
+        sampling_params: defaults for every record; lines may override fields (see
+            contbatch.jobs.records). A SamplingParams is taken whole; a dict of its fields, or
+            None, goes over the model's own defaults (``LLM.get_default_sampling_params()``:
+            its generation_config.json, unless ``llm_kwargs`` has generation_config="vllm").
         input_format: "auto" (by extension: .jsonl/.ndjson/.json, .txt, .parquet or .csv),
             "jsonl", "text", "parquet" or "csv". Parquet needs pyarrow
             (``pip install contbatch[parquet]``), checked before any work.
@@ -188,7 +191,8 @@ def run_job(
         from contbatch.demo_model import demo_model_dir
 
         model = demo_model_dir()
-    model, params = Path(model), _job_sampling_params(sampling_params)
+    model = Path(model)
+    params = _job_sampling_params(sampling_params, _model_defaults(model, llm, llm_kwargs))
     to_file = str(output_path) != STDOUT
     journal = journal_path(output_path, output_format)
     writer = ResultWriter(journal, fsync_every, fsync_interval) if to_file else StdoutWriter()
@@ -441,15 +445,23 @@ class _Job:
         logger.warning("%s %s %d: %s (%s%s)", self.source.path, self.source.unit, item.line, item.error, action, listed)
 
 
-def _job_sampling_params(given: object) -> SamplingParams:
-    """run_job's sampling_params: a SamplingParams, a dict of its fields, or None (the defaults)."""
+def _job_sampling_params(given: object, defaults: SamplingParams) -> SamplingParams:
+    """run_job's sampling_params: a SamplingParams, or a dict of fields over ``defaults``
+    (None: ``defaults`` as they are)."""
     if given is None:
-        return SamplingParams()
+        return defaults
     if isinstance(given, SamplingParams):
         return given
     if isinstance(given, dict):
-        return with_overrides(SamplingParams(), given, "sampling_params")
+        return with_overrides(defaults, given, "sampling_params")
     raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields or None, got {type(given).__name__}")
+
+
+def _model_defaults(model: Path, llm: LLM | None, llm_kwargs: dict | None) -> SamplingParams:
+    """What the job's LLM runs prompts given no SamplingParams with, read before it loads."""
+    if llm is not None:
+        return llm.get_default_sampling_params()
+    return default_sampling_params(model, (llm_kwargs or {}).get("generation_config", "auto"))
 
 
 def result_record(record_id: str | int, output: RequestOutput, fingerprint: bytes) -> dict:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
+from contbatch.sampling_params import SamplingParams
+
 logger = logging.getLogger("contbatch")
 
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -37,3 +39,15 @@ def sampling_defaults(model: Path, generation_config: str) -> dict:
         logger.info("default sampling parameters from %s: %s (generation_config='vllm' keeps SamplingParams' own)",
                     model / FILE, defaults)
     return defaults
+
+
+def default_sampling_params(model: Path, generation_config: str) -> SamplingParams:
+    """SamplingParams() with the model's recommended settings over it (what ``LLM``, bulk jobs
+    and the Ray processor run prompts given no SamplingParams with); ValueError naming the
+    file where they are not valid SamplingParams values. Reads no weights."""
+    defaults = sampling_defaults(model, generation_config)
+    try:
+        return SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{str(model / FILE)!r}: {exc} (LLM(generation_config='vllm') "
+                         "ignores the file's sampling settings)") from exc

@@ -255,6 +255,20 @@ def test_a_struct_column_of_overrides_merges_over_the_default_and_a_raising_prep
     assert out[3]["error"] == "preprocess raised KeyError: 'text'" and out[3]["generated_text"] is None
 
 
+def test_without_sampling_params_rows_run_with_the_models_recommended_settings(
+    ray_cluster, recommending_chat_model_dir
+):
+    """As LLM.generate and vLLM's generation_config="auto": the model's generation_config.json
+    (2 new tokens here) is the default that rows' own overrides go over."""
+    table = pa.table({"id": [0, 1], "prompt": ["Row 0: word", "Row 1: word"],
+                      "sampling_params": pa.array([{"ignore_eos": True, "max_tokens": None},
+                                                   {"ignore_eos": True, "max_tokens": 5}],
+                                                  pa.struct([("ignore_eos", pa.bool_()), ("max_tokens", pa.int64())]))})
+    processor = _processor(recommending_chat_model_dir, sampling_params=None, concurrency=1)
+    out = _by_id(processor(ray.data.from_arrow(table)).take_all())
+    assert [len(out[i]["generated_token_ids"]) for i in (0, 1)] == [2, 5], [out[i]["error"] for i in (0, 1)]
+
+
 def test_a_lora_adapter_reaches_every_actor_and_gives_the_llms_rows(ray_cluster, chat_model_dir, tmp_path):
     """``lora_request``: two actors with the adapter give one LLM's adapter tokens, row for row,
     and not the base model's."""
