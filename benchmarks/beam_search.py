@@ -9,7 +9,7 @@ HF held to its ``min_new_tokens``), after a warm-up. contbatch searches all prom
 The two searches rank beams by the same length-penalised score but differ in when finished
 beams leave, so the sequences may differ; this times the work, not the agreement (that is
 tests/test_beam_search.py's). Reports wall seconds and the tokens contbatch's steps computed
-(each beam's last, partial KV block is computed again every step).
+(the prompts once, then one a beam a step: each continues from its parent's kept K/V).
 """
 
 import argparse

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from contbatch.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from contbatch.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamStepInput
 from contbatch.config import EngineConfig, resolve_device, resolve_dtype
 from contbatch.engine.kv_cache import resolve_block_size
 from contbatch.engine.llm_engine import LLMEngine
@@ -370,8 +370,8 @@ class LLM:
 
         ``prompts``: a list of the forms generate() takes (their own "sampling_params" are not
         used), validated whole before any work; ``lora_request`` as in generate(). Every step
-        runs the live beams of all prompts together, each beam reusing the step before's KV
-        blocks through the prefix cache. ``use_tqdm``: a bar over the steps."""
+        runs the live beams of all prompts together, each beam continuing from its parent's K/V
+        (one token computed a beam a step). ``use_tqdm``: a bar over the steps."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if not isinstance(prompts, (list, tuple)):
@@ -382,15 +382,36 @@ class LLM:
         loras = [prompt.lora_request or lora for prompt, lora in zip(prepared, loras)]
         search = BeamSearch(params, self.engine.eos_token_ids, self.engine.max_model_len)
         tokenizer = self.engine.tokenizer
-        steps = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+        self._check_idle()
+        self._running = True
+        try:
+            with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as steps:
+                return search.run([prompt.token_ids for prompt in prepared], loras,
+                                  lambda inputs, step_params: self._beam_step(inputs, step_params, steps),
+                                  self.engine.release, None if tokenizer is None else tokenizer.decode)
+        finally:
+            self.engine.abort_all()
+            self._running = False
 
-        def generate_step(step_prompts: list[dict], step_params: SamplingParams, step_loras: list) -> list:
-            steps.update(1)
-            return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
-
-        with steps:
-            return search.run([prompt.token_ids for prompt in prepared], loras, generate_step,
-                              None if tokenizer is None else tokenizer.decode)
+    def _beam_step(
+        self, inputs: list[BeamStepInput], params: SamplingParams, steps: tqdm
+    ) -> list[tuple[RequestOutput, int]]:
+        """One beam search step (beam_search.Step): a request a beam, continuing from its
+        parent's kept K/V and keeping its own; Ctrl-C lands between engine steps."""
+        engine, interrupts = self.engine, StepInterrupts()
+        with interrupts.deferred():
+            seqs = [engine.add_request(index, None, beam.tokens, params, lora_request=beam.lora_request,
+                                       keep_blocks=True, parent_seq_id=beam.context)
+                    for index, beam in enumerate(inputs)]
+            engine.release({beam.context for beam in inputs if beam.context is not None})
+        interrupts.raise_pending()
+        outputs: dict[int, RequestOutput] = {}
+        while engine.has_unfinished():
+            with interrupts.deferred():
+                outputs.update((int(output.request_id), output) for output in engine.step())
+            interrupts.raise_pending()
+        steps.update(1)
+        return [(outputs[index], seq) for index, seq in enumerate(seqs)]
 
     def _prepare_pairs(
         self, requests: Sequence, name: Callable[[int], str]

@@ -2,8 +2,9 @@
 full fp32 forward pass per beam and step, no KV cache): the same sequences in the same order,
 cumulative log-probabilities within 1e-4, EOS-completed beams and the length penalty included.
 The search itself is vLLM's (contbatch/beam_search.py says it in words); what is under test is
-that running it on contbatch's engine, with batched steps and prefix-cached beams, gives the
-sequences the model's own distribution ranks best."""
+that running it on contbatch's engine, with batched steps and beams continuing from their
+parents' kept K/V (shared blocks, copy-on-write; freed under pressure and recomputed), gives
+the sequences the model's own distribution ranks best, computing one token a beam a step."""
 
 import json
 import shutil
@@ -12,7 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from contbatch import LLM, BeamSearchParams, SamplingParams
+from contbatch import LLM, BeamSearchParams, LoRARequest, SamplingParams
+from contbatch.engine.kv_cache import KVCacheSpec
+from contbatch.models.loader import read_config
+from tests.conftest import make_peft_adapter
 
 PROMPTS = [[1, 17, 33, 250, 9, 71], [1, 400, 3, 3, 18], [1] + list(range(5, 40))]
 
@@ -80,6 +84,55 @@ def test_a_beam_ending_in_eos_is_complete_and_ranked_with_the_rest(tiny_model_di
     _expect_hf(outputs, hf_model, params, {second})
     stopped = [seq for seq in outputs[0].sequences if seq.finish_reason == "stop"]
     assert stopped and all(seq.tokens[-1] == second for seq in stopped), "the EOS beam did not survive: a weak test"
+
+
+def test_each_step_computes_one_token_a_beam_and_frees_every_block_it_kept(tiny_model_dirs, hf_model):
+    """After the prompts, a beam continues from its parent's kept K/V whatever the prefix cache
+    holds (here none): 3 prompts x 3 beams, one token each, in each of the 5 steps after the
+    first. Recomputing whole sequences (or their partial last blocks) would compute more."""
+    llm = LLM(tiny_model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", enable_prefix_caching=False)
+    steps = []
+    llm.engine.add_stats_listener(steps.append)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    _expect_hf(outputs, hf_model, params, set())
+    assert sum(step.num_scheduled_tokens for step in steps) == sum(map(len, PROMPTS)) + 5 * 3 * 3
+    assert sum(step.num_copied_blocks for step in steps) > 0, "no beam shared its parent's partial block"
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.kept
+
+
+def test_beams_whose_kept_blocks_do_not_fit_are_recomputed_to_the_same_result(tiny_model_dirs, hf_model):
+    """A KV cache of 7 blocks cannot hold 3 x 4 beams (the third prompt's alone take 3 blocks
+    each): kept blocks are freed, running beams preempted, and the beams recomputed."""
+    model = tiny_model_dirs["llama"]
+    spec = KVCacheSpec.for_model(read_config(model), 16, torch.float32)
+    llm = LLM(model, skip_tokenizer_init=True, dtype="float32", kv_cache_memory=7 * spec.bytes_per_block,
+              max_model_len=48)
+    steps = []
+    llm.engine.add_stats_listener(steps.append)
+    params = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    _expect_hf(outputs, hf_model, params, set())
+    assert sum(step.num_scheduled_tokens for step in steps) > sum(map(len, PROMPTS)) + 5 * 3 * 4, "nothing recomputed"
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.kept
+    again = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(again[0].outputs[0].token_ids) == 3, "the LLM does not run again after the search"
+
+
+def test_beams_with_a_lora_adapter_are_the_adapted_models_best(tiny_model_dirs, tmp_path):
+    """Each beam's continuation keeps its adapter: the best beams are those of PEFT's adapted model."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model_dirs["llama"]
+    adapter = make_peft_adapter(model, tmp_path / "adapter", 3, scale=4.0, r=8, target_modules=["q_proj", "down_proj"])
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    llm = LLM(model, skip_tokenizer_init=True, dtype="float32", enable_lora=True)
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params,
+                              lora_request=LoRARequest("adapter", 1, str(adapter)))
+    _expect_hf(outputs, adapted, params, set())
+    plain = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.sequences[0].tokens for o in plain] != [o.sequences[0].tokens for o in outputs], "a weak adapter"
 
 
 def test_one_beam_is_greedy_decoding(smollm_dir):

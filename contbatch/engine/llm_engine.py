@@ -7,6 +7,7 @@ which requests end, and the scheduler ends them.
 """
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -145,16 +146,20 @@ class LLMEngine:
         params: SamplingParams,
         prompt_logprobs_from: int = 1,
         lora_request: LoRARequest | None = None,
-    ) -> None:
-        """Queue a request. With prompt logprobs, ``prompt_logprobs_from`` is the first prompt
-        position scored (earlier entries are None) and the prefix before it may be reused
-        from the prefix cache (scoring continuations of one shared context). ``lora_request``:
-        the adapter it runs with (loaded here if it is new)."""
+        keep_blocks: bool = False,
+        parent_seq_id: int | None = None,
+    ) -> int:
+        """Queue a request; returns its seq_id. With prompt logprobs, ``prompt_logprobs_from`` is
+        the first prompt position scored (earlier entries are None) and the prefix before it may
+        be reused from the prefix cache (scoring continuations of one shared context).
+        ``lora_request``: the adapter it runs with (loaded here if it is new). ``keep_blocks``
+        and ``parent_seq_id``: a request kept once finished, and one continuing from it
+        (Scheduler.add_request; ``release`` frees a kept one)."""
         if lora_request is not None:
             self.load_lora(lora_request)
         request = self.scheduler.add_request(
             request_id, prompt, prompt_token_ids, params, prompt_logprobs_from, self._bad_words_ids(params),
-            lora_request,
+            lora_request, keep_blocks, parent_seq_id,
         )
         try:
             if params.structured_outputs is not None:
@@ -164,6 +169,11 @@ class LLMEngine:
             self.scheduler.abort(request.seq_id)
             self.structured.remove(request.seq_id)
             raise
+        return request.seq_id
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Free the blocks of finished requests added with keep_blocks."""
+        self.scheduler.release(seq_ids)
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Call ``listener(StepStats)`` after every step (see contbatch/engine/stats.py)."""

@@ -64,6 +64,7 @@ class Request:
         self.arrival_time = time.time()
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
+        self.keep_blocks = False  # once finished, its K/V blocks stay for continuations (Scheduler.kept)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,13 @@ block manager cannot give a running request its blocks, the blocks running
 requests took ahead of their tokens are released first; if that is not enough, the
 newest running request is preempted: its blocks are freed and it is recomputed later.
 
+A request may ask to keep its blocks once finished (beam search: contbatch/beam_search.py),
+and a new request may continue from such a kept one: it starts with the kept request's
+computed tokens already in the cache, sharing its blocks (copy-on-write), so it computes only
+what it adds. Kept blocks are a cache, not a promise: when blocks run short they are freed
+(oldest first), and then those waiting continuations share, before any running request is
+preempted; a continuation without them starts as any new request does (from the prefix cache).
+
 The scheduler owns the requests (``Request``). What it hands on is plain data: a
 ``SchedulerOutput`` of sequence ids, token counts and block-table changes, from which
 the model runner keeps its own batch state. Requests end only when the engine calls
@@ -48,6 +55,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._known_to_runner: set[int] = set()
         self._ended: list[int] = []  # seq ids the runner knows that ended since the last step
+        self.kept: dict[int, Request] = {}  # seq_id -> finished request whose blocks are kept, oldest first
 
     def add_request(
         self,
@@ -58,12 +66,26 @@ class Scheduler:
         prompt_logprobs_from: int = 1,
         bad_words_ids: BadWordsIds = (),
         lora_request: LoRARequest | None = None,
+        keep_blocks: bool = False,
+        parent_seq_id: int | None = None,
     ) -> Request:
+        """``keep_blocks``: keep the request's blocks once it finishes, until ``release``.
+        ``parent_seq_id``: a kept request whose computed tokens start ``prompt_token_ids``; the
+        new request shares their blocks (if the parent is no longer kept, it starts afresh)."""
         request = Request(self._new_seq_id(), request_id, prompt, prompt_token_ids, params, 0, prompt_logprobs_from,
                           bad_words_ids, lora_request)
+        request.keep_blocks = keep_blocks
+        if parent_seq_id is not None:
+            self._continue_from(request, parent_seq_id)
         self.requests[request.seq_id] = request
         self.waiting.append(request)
         return request
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Free the blocks of kept requests (those no longer kept are skipped)."""
+        for seq_id in seq_ids:
+            if self.kept.pop(seq_id, None) is not None:
+                self.block_manager.free(seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,8 +101,9 @@ class Scheduler:
         self.block_manager.free(seq_id)
 
     def abort_all(self) -> None:
-        for request in [*self.running, *self.waiting]:
+        for request in [*self.running, *self.waiting, *self.kept.values()]:
             self.block_manager.free(request.seq_id)
+        self.kept.clear()
         self._ended.extend(self._known_to_runner)
         self._known_to_runner.clear()
         self.running.clear()
@@ -119,11 +142,49 @@ class Scheduler:
             return finished
         for request in finished:
             request.status = RequestStatus.FINISHED
-            self.block_manager.free(request.seq_id)
+            if request.keep_blocks:
+                self._keep(request)
+            else:
+                self.block_manager.free(request.seq_id)
             self._known_to_runner.discard(request.seq_id)
             self._ended.append(request.seq_id)
         self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _keep(self, request: Request) -> None:
+        """Keep the blocks of the request's computed tokens (not those it took ahead)."""
+        self.block_manager.release_lookahead([(request.seq_id, request.num_computed_tokens)])
+        self.kept[request.seq_id] = request
+
+    def _continue_from(self, request: Request, parent_seq_id: int) -> None:
+        """The new request starts at its kept parent's computed tokens, sharing their blocks;
+        at least its last token is left to compute, so that it samples."""
+        parent = self.kept.get(parent_seq_id)
+        if parent is None:
+            return
+        computed = min(parent.num_computed_tokens, request.num_tokens - 1)
+        if request.token_ids[:computed] != parent.token_ids[:computed]:
+            raise ValueError(f"request {request.request_id}'s tokens do not start with the computed tokens of the "
+                             f"kept request it continues (seq {parent_seq_id})")
+        self.block_manager.fork(parent.seq_id, request.seq_id, computed)
+        request.num_computed_tokens = computed
+
+    def _make_room(self, keep: Request | None = None) -> bool:
+        """Free blocks without preempting a running request: those running requests took
+        ahead, else the oldest kept request's, else those the newest waiting continuation
+        (not ``keep``) shares with its parent, which then starts afresh. False when there
+        were none."""
+        if self.block_manager.release_lookahead(self._token_counts()):
+            return True
+        if self.kept:
+            self.release([next(iter(self.kept))])
+            return True
+        for request in reversed(self.waiting):
+            if request.num_computed_tokens and request is not keep:
+                self.block_manager.free(request.seq_id)
+                request.num_computed_tokens = 0
+                return True
+        return False
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -152,7 +213,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         while not self._allocate(request, num_new):
-            if self.block_manager.release_lookahead(self._token_counts()):
+            if self._make_room():
                 continue
             victim = self.running.pop()
             self._preempt(victim)
@@ -181,8 +242,11 @@ class Scheduler:
                 continue
             if seats_taken + 1 + request.samples_to_fork > self.max_num_seqs:
                 break
-            cached = self._cached_prefix(request)
-            num_cached = len(cached) * self.block_manager.block_size
+            if request.num_computed_tokens:  # a continuation, holding its parent's blocks already
+                cached, num_cached = [], request.num_computed_tokens
+            else:
+                cached = self._cached_prefix(request)
+                num_cached = len(cached) * self.block_manager.block_size
             num_new = min(self._tokens_to_compute(request, num_cached), budget)
             if not self._allocate_for_waiting(request, num_cached, num_new, cached):
                 break
@@ -213,12 +277,11 @@ class Scheduler:
     def _allocate_for_waiting(
         self, request: Request, num_cached: int, num_new: int, cached: list[tuple[int, ...]]
     ) -> bool:
-        """A waiting request is worth more than blocks others took ahead: release them if needed."""
-        if self._allocate(request, num_new, num_cached, cached):
-            return True
-        return bool(self.block_manager.release_lookahead(self._token_counts())) and self._allocate(
-            request, num_new, num_cached, cached
-        )
+        """A waiting request is worth more than blocks others took ahead or kept: free them if needed."""
+        while not self._allocate(request, num_new, num_cached, cached):
+            if not self._make_room(keep=request):
+                return False
+        return True
 
     def _allocate(
         self, request: Request, num_new: int, num_computed: int | None = None, cached: list[tuple[int, ...]] = ()

@@ -5,9 +5,11 @@ the step assigns, in each KV-cache group's table, and checks that each scheduled
 sequence's block tables map every context position its queries read (in a group with a
 sliding window, those within the first query's window) to its own tokens. So any
 bookkeeping error (a leaked, shared, evicted, mis-hashed or too early freed block) shows
-up as a sequence attending to wrong K/V.
+up as a sequence attending to wrong K/V. The same holds for requests that continue from
+kept ones (beam search's steps), rounds of them.
 """
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -182,6 +184,57 @@ def test_random_workloads_finish_exactly_once_with_consistent_cache(w):
     for request in finished:
         assert request.prompt_token_ids == w["prompts"][request.request_id]
         _check_stopping(request, finishes[request.seq_id], w["max_model_len"])
+    assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+    assert all(count == 0 for count in manager.ref_counts)
+
+
+def _run_round(scheduler: Scheduler, runner: FakeRunner, manager: BlockManager) -> list[Request]:
+    finished = []
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            return finished
+        step, ended = _step(scheduler, runner)
+        assert not step.is_empty, "no progress with requests waiting"
+        finished.extend(ended)
+        # Holders: running requests, kept ones, and continuations still waiting with their parents' blocks.
+        _check_block_invariants(manager, [i for i in (*scheduler.requests, *scheduler.kept) if i in manager.seqs])
+    raise AssertionError("the round did not finish")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_continuations_of_kept_requests_read_their_parents_kv_and_free_every_block(w, rounds, seed):
+    """Rounds as beam search runs them: every request keeps its blocks once it has its one
+    token; 0-2 continuations of each (its computed tokens and a new one) start from them,
+    then the parents are released. A continuation whose parent is still kept computes only
+    its last token; kept blocks are freed before any preemption when blocks run short."""
+    groups, rng = w["group_windows"], random.Random(seed)
+    manager = BlockManager(w["num_blocks"] * len(groups), w["block_size"], w["prefix_caching"], w["lookahead_tokens"],
+                           w["freed_block_reserve"], group_windows=groups)
+    scheduler = Scheduler(manager, w["max_num_seqs"], w["budget"], w["max_model_len"])
+    runner = FakeRunner(w["block_size"], groups)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for index, prompt in enumerate(w["prompts"]):
+        scheduler.add_request(index, None, prompt[: w["max_model_len"] - 1], params, keep_blocks=True)
+    parents = _run_round(scheduler, runner, manager)
+    next_id = len(w["prompts"])
+    for _ in range(rounds):
+        children = []
+        for parent in parents:
+            for _ in range(rng.randint(0, 2)):
+                tokens = parent.token_ids[: parent.num_computed_tokens] + [rng.randint(3, VOCAB - 1)]
+                if len(tokens) >= w["max_model_len"]:
+                    continue
+                was_kept = parent.seq_id in scheduler.kept
+                child = scheduler.add_request(next_id, None, tokens, params, keep_blocks=True,
+                                              parent_seq_id=parent.seq_id)
+                assert child.num_computed_tokens == (len(tokens) - 1 if was_kept else 0)
+                children.append(child)
+                next_id += 1
+        scheduler.release(parent.seq_id for parent in parents)
+        parents = _run_round(scheduler, runner, manager)
+        assert sorted(r.seq_id for r in parents) == sorted(c.seq_id for c in children), "each ran exactly once"
+    scheduler.release(list(scheduler.kept))
     assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
     assert all(count == 0 for count in manager.ref_counts)
 
