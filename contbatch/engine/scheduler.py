@@ -242,7 +242,8 @@ class Scheduler:
                 continue
             if seats_taken + 1 + request.samples_to_fork > self.max_num_seqs:
                 break
-            if request.num_computed_tokens:  # a continuation, holding its parent's blocks already
+            continuation = request.num_computed_tokens > 0  # holding its parent's blocks already
+            if continuation:
                 cached, num_cached = [], request.num_computed_tokens
             else:
                 cached = self._cached_prefix(request)
@@ -254,7 +255,7 @@ class Scheduler:
             if request.lora_id:
                 adapters.add(request.lora_id)
             seats_taken += 1 + request.samples_to_fork
-            if caching:
+            if caching and not continuation:  # the prefix cache's statistics, not the kept blocks'
                 output.num_prefix_queried_tokens += request.num_tokens
                 output.num_prefix_hit_tokens += num_cached
             request.num_computed_tokens = num_cached
