@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -382,16 +383,11 @@ class LLM:
         loras = [prompt.lora_request or lora for prompt, lora in zip(prepared, loras)]
         search = BeamSearch(params, self.engine.eos_token_ids, self.engine.max_model_len)
         tokenizer = self.engine.tokenizer
-        self._check_idle()
-        self._running = True
-        try:
-            with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as steps:
-                return search.run([prompt.token_ids for prompt in prepared], loras,
-                                  lambda inputs, step_params: self._beam_step(inputs, step_params, steps),
-                                  self.engine.release, None if tokenizer is None else tokenizer.decode)
-        finally:
-            self.engine.abort_all()
-            self._running = False
+        with self._engine_held(), tqdm(total=params.max_tokens, desc="beam search", unit="step",
+                                       disable=not use_tqdm) as steps:
+            return search.run([prompt.token_ids for prompt in prepared], loras,
+                              lambda inputs, step_params: self._beam_step(inputs, step_params, steps),
+                              self.engine.release, None if tokenizer is None else tokenizer.decode)
 
     def _beam_step(
         self, inputs: list[BeamStepInput], params: SamplingParams, steps: tqdm
@@ -437,11 +433,10 @@ class LLM:
         prepared: bool, progress: "_Progress",
     ) -> Iterator[RequestOutput]:
         engine = self.engine
-        self._check_idle()  # two iterators made before either ran: the second to start is refused
-        self._running = True
-        feed = source if isinstance(source, PromptQueue) else IterableFeed(source)
-        interrupts = StepInterrupts()  # Ctrl-C between engine updates, never inside one
-        try:
+        # Held before the feed starts: of two iterators made before either ran, the second to start is refused.
+        with self._engine_held(), closing(progress):
+            feed = source if isinstance(source, PromptQueue) else IterableFeed(source)
+            interrupts = StepInterrupts()  # Ctrl-C between engine updates, never inside one
             while True:
                 while engine.num_waiting < engine.config.max_num_seqs:
                     # Wait for a prompt only when nothing runs: waiting then would stall the running requests.
@@ -465,9 +460,17 @@ class LLM:
                     progress.update(output)
                     yield output
                 interrupts.raise_pending()
+
+    @contextmanager
+    def _engine_held(self) -> Iterator[None]:
+        """The engine for one call (generate's iterator, a beam search): refused while another
+        holds it; left idle, every request dropped, however the call ends."""
+        self._check_idle()
+        self._running = True
+        try:
+            yield
         finally:
-            engine.abort_all()
-            progress.close()
+            self.engine.abort_all()
             self._running = False
 
     def _check_idle(self) -> None:
