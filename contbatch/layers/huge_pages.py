@@ -1,26 +1,25 @@
-"""Packed weights, in the order the layers read them, and the KV cache on 2 MiB pages (Linux).
+"""Packed weights, in the order the layers read them, on 2 MiB pages (Linux).
 
-A decode step with few requests running reads every weight once, straight from DRAM, and
-attention reads each running sequence's KV blocks. On 4 KiB pages those streams take a TLB
-miss every 4 KiB, and the hardware prefetcher, which does not cross a page, starts again at
-each one. Linux backs memory with 2 MiB pages where it is advised to
+A decode step with few requests running reads every weight once, straight from DRAM. On 4
+KiB pages that stream takes a TLB miss every 4 KiB, and the hardware prefetcher, which does
+not cross a page, starts again at each one. Linux backs memory with 2 MiB pages where it is advised to
 (``madvise(MADV_HUGEPAGE)``; transparent huge pages in their default ``madvise`` mode), but
 only for 2 MiB-aligned ranges that one allocation covers, and most projections are smaller
 than that (SmolLM2's largest int8 one is 1.8 MB). So the packed weights are copied, one
 after another, into a single buffer advised before its first touch, and each tensor is
 re-pointed at its copy in place (``Tensor.set_``): every holder (the modules, the C++
-decoder stack, an int8 table shared by the head and the lookup) sees the move. The KV cache
-is allocated in such a buffer from the start.
+decoder stack, an int8 table shared by the head and the lookup) sees the move.
 
 SmolLM2 on a Zen 4 (2 threads, 2026-11-27; benchmarks/decode_steps.py and chat256, both
 ways alternated in one session): decode steps with 1-8 running 5-7% faster in bf16 and 2-9%
-with int8 weights; chat256 4-6% (bf16) and 7% (int8) more output tok/s. The costs: moving
-SmolLM2's 269 MB takes 0.25-0.5 s at load (this VM backs a fresh huge page slowly), and the
-KV cache is committed 2 MiB at a time (chat256's peak RSS 1.9 against 1.6-1.7 GiB).
-``CONTBATCH_HUGE_PAGES=0`` turns both off, to compare.
+with int8 weights; chat256 4-6% (bf16) and 7% (int8) more output tok/s (then with the KV
+cache on huge pages as well). The costs: moving
+SmolLM2's 269 MB takes 0.25-0.5 s at load (this VM backs a fresh huge page slowly). The KV
+cache was on such pages too until 2026-12-02; it is written for the first time while requests
+run, where that slow backing cost more than the pages saved (contbatch/engine/kv_cache.py,
+``KVCacheSpec.allocate``). ``CONTBATCH_HUGE_PAGES=0`` turns the move off, to compare.
 """
 
-import math
 import mmap
 import os
 import sys
@@ -85,16 +84,6 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
             tensor.set_(copy)
             offset += size
     return offset
-
-
-def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, advised onto huge pages where the
-    platform allows (``enabled``)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    buffer = _advised_buffer(nbytes) if enabled() and nbytes > 0 else None
-    if buffer is None:
-        return torch.empty(shape, dtype=dtype)
-    return buffer.view(dtype).view(shape)
 
 
 def _round_up(nbytes: int, multiple: int) -> int:

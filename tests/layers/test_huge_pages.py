@@ -96,14 +96,3 @@ def test_the_model_reads_the_moved_weights(tiny_model_dirs, quantization, monkey
         for tensor in tensors:
             tensor.zero_()
     assert tokens() != before
-
-
-@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
-def test_kv_cache_is_allocated_on_huge_pages(tiny_model_dirs, monkeypatch):
-    monkeypatch.setenv("CONTBATCH_HUGE_PAGES", "1")
-    llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", device="cpu", max_model_len=64, max_num_seqs=2,
-              skip_tokenizer_init=True, kv_cache_memory=8 << 20)
-    cache = llm.engine.runner.kv_cache
-    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
-    cache.zero_()  # touch it: pages are backed on first touch
-    assert _huge_kib_at(cache.data_ptr()) >= HUGE_PAGE_BYTES >> 10
