@@ -1,5 +1,5 @@
 """Decode steps with few requests running: unquantized against int8 weights, and each with
-and without huge pages, every configuration loaded once and the runs alternated in one
+its weights on huge pages and not (contbatch/layers/huge_pages.py), every configuration loaded once and the runs alternated in one
 process, so a shared machine's drift falls on all of them alike.
 
     python benchmarks/decode_steps.py                      # bf16 and int8, 1/4/8 running
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--running", default="1,4,8", help="comma-separated request counts")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--no-huge-pages-compare", action="store_true", help="huge pages on only")
+    parser.add_argument("--no-huge-pages-compare", action="store_true", help="weights on huge pages only")
     args = parser.parse_args()
     pages = (True,) if args.no_huge_pages_compare else (True, False)
     model = args.model or str(demo_model_dir())
@@ -82,14 +82,14 @@ def main() -> None:
         columns = []
         for figure in (0, 1):  # decode step, whole call / tokens
             best = {c: min(r[figure] for r in times) for c, times in rounds.items()}
-            ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x ({_pages(h)} pages)" for h in pages)
+            ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x (weights on {_pages(h)} pages)" for h in pages)
             columns += [f"{best[c]:.2f}" for c in configs] + [ratios]
         print(f"| {running} | " + " | ".join(columns) + " |")
 
 
 def _name(config: tuple[str | None, bool]) -> str:
     quantization, huge = config
-    return f"{quantization or 'unquantized'}, {_pages(huge)} pages"
+    return f"{quantization or 'unquantized'}, weights on {_pages(huge)} pages"
 
 
 def _pages(huge: bool) -> str:
