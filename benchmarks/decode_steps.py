@@ -1,6 +1,7 @@
 """Decode steps with few requests running: unquantized against int8 weights, and each with
-its weights on huge pages and not (contbatch/layers/huge_pages.py), every configuration loaded once and the runs alternated in one
-process, so a shared machine's drift falls on all of them alike.
+its weights on huge pages and not (contbatch/layers/huge_pages.py), every configuration
+loaded once and the runs alternated in one process, so a shared machine's drift falls on all
+of them alike.
 
     python benchmarks/decode_steps.py                      # bf16 and int8, 1/4/8 running
     python benchmarks/decode_steps.py --dtype float32 --running 1,8 --rounds 6
@@ -82,18 +83,18 @@ def main() -> None:
         columns = []
         for figure in (0, 1):  # decode step, whole call / tokens
             best = {c: min(r[figure] for r in times) for c, times in rounds.items()}
-            ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x (weights on {_pages(h)} pages)" for h in pages)
+            ratios = ", ".join(f"{best[('int8', h)] / best[(None, h)]:.2f}x ({_pages(h)})" for h in pages)
             columns += [f"{best[c]:.2f}" for c in configs] + [ratios]
         print(f"| {running} | " + " | ".join(columns) + " |")
 
 
 def _name(config: tuple[str | None, bool]) -> str:
     quantization, huge = config
-    return f"{quantization or 'unquantized'}, weights on {_pages(huge)} pages"
+    return f"{quantization or 'unquantized'}, {_pages(huge)}"
 
 
 def _pages(huge: bool) -> str:
-    return "2 MiB" if huge else "4 KiB"
+    return f"weights on {'2 MiB' if huge else '4 KiB'} pages"
 
 
 if __name__ == "__main__":

@@ -169,10 +169,10 @@ class KVCacheSpec:
         (contbatch/layers/huge_pages.py): its memory is touched for the first time while requests
         run, and a fresh 2 MiB page can be far slower to back than 4 KiB ones. In this project's
         VMs (Zen 4, 2026-12-02) first writes to 512 MiB ran at 0.22-0.29 GiB/s on huge pages
-        against 3.1-3.5 GiB/s on 4 KiB pages, and chat256 gave 10-15% more output tok/s in both
-        bf16 and int8 with the cache on 4 KiB pages, its TTFT 3 s shorter; once written, decode
-        attention over huge pages was about 10% faster (docs/performance.md, "The KV cache back on 4
-        KiB pages")."""
+        against 3.1-3.5 GiB/s on 4 KiB pages, and chat256 gave 12% (bf16) and 14% (int8) more
+        output tok/s with the cache on 4 KiB pages (means of two alternated pairs), its median
+        TTFT about 3 s shorter; once written, decode attention over huge pages was about 10%
+        faster (docs/performance.md, "The KV cache back on 4 KiB pages")."""
         shape = (self.layers_per_block, 2, num_blocks, self.num_kv_heads, self.block_size, self.row_len)
         cache = torch.empty(shape, dtype=self.dtype, device=device)
         return cache, [(cache[place, 0], cache[place, 1]) for place in self.layer_places]

@@ -2,22 +2,22 @@
 
 A decode step with few requests running reads every weight once, straight from DRAM. On 4
 KiB pages that stream takes a TLB miss every 4 KiB, and the hardware prefetcher, which does
-not cross a page, starts again at each one. Linux backs memory with 2 MiB pages where it is advised to
-(``madvise(MADV_HUGEPAGE)``; transparent huge pages in their default ``madvise`` mode), but
-only for 2 MiB-aligned ranges that one allocation covers, and most projections are smaller
-than that (SmolLM2's largest int8 one is 1.8 MB). So the packed weights are copied, one
-after another, into a single buffer advised before its first touch, and each tensor is
+not cross a page, starts again at each one. Linux backs memory with 2 MiB pages where it is
+advised to (``madvise(MADV_HUGEPAGE)``; transparent huge pages in their default ``madvise``
+mode), but only for 2 MiB-aligned ranges that one allocation covers, and most projections are
+smaller than that (SmolLM2's largest int8 one is 1.8 MB). So the packed weights are copied,
+one after another, into a single buffer advised before its first touch, and each tensor is
 re-pointed at its copy in place (``Tensor.set_``): every holder (the modules, the C++
 decoder stack, an int8 table shared by the head and the lookup) sees the move.
 
 SmolLM2 on a Zen 4 (2 threads, 2026-11-27; benchmarks/decode_steps.py and chat256, both
 ways alternated in one session): decode steps with 1-8 running 5-7% faster in bf16 and 2-9%
 with int8 weights; chat256 4-6% (bf16) and 7% (int8) more output tok/s (then with the KV
-cache on huge pages as well). The costs: moving
-SmolLM2's 269 MB takes 0.25-0.5 s at load (this VM backs a fresh huge page slowly). The KV
-cache was on such pages too until 2026-12-02; it is written for the first time while requests
-run, where that slow backing cost more than the pages saved (contbatch/engine/kv_cache.py,
-``KVCacheSpec.allocate``). ``CONTBATCH_HUGE_PAGES=0`` turns the move off, to compare.
+cache on huge pages as well). The cost: moving SmolLM2's 269 MB takes 0.25-0.5 s at load
+(this VM backs a fresh huge page slowly). The KV cache was on such pages too until
+2026-12-02; it is written for the first time while requests run, where that slow backing
+cost more than the pages saved (contbatch/engine/kv_cache.py, ``KVCacheSpec.allocate``).
+``CONTBATCH_HUGE_PAGES=0`` turns the move off, to compare.
 """
 
 import mmap
