@@ -497,6 +497,18 @@ class LLM:
         return None
 
 
+def llm_for_adapter(model: str | Path, lora_request: LoRARequest | None, engine_kwargs: dict,
+                    llm: LLM | None = None) -> LLM:
+    """The LLM of a bulk job or a Ray actor whose requests all run with ``lora_request`` (or
+    none): ``llm`` if given, else one loaded from ``model`` with LoRA enabled when an adapter
+    is named; the adapter is loaded now, so a bad one is refused before any request runs."""
+    if llm is None:
+        llm = LLM(model, **{**({"enable_lora": True} if lora_request is not None else {}), **engine_kwargs})
+    if lora_request is not None:
+        llm.engine.load_lora(lora_request)
+    return llm
+
+
 def _int8_weights(model: Path, config: EngineConfig) -> bool:
     """Whether the linear layers will hold int8 weights: quantization="int8", or a GGUF file
     whose layers are Q8_0 (its metadata read, not its tensors)."""

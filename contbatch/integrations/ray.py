@@ -41,7 +41,7 @@ import ray.data
 import torch
 
 from contbatch.jobs.reader import without_nulls
-from contbatch.llm import LLM
+from contbatch.llm import LLM, llm_for_adapter
 from contbatch.lora.by_path import AdaptersByPath, checked_adapter_path
 from contbatch.lora.request import LoRARequest
 from contbatch.outputs import RequestOutput
@@ -207,9 +207,7 @@ class _GenerationActor:
         torch.set_num_threads(processor.num_threads)
         self.processor = processor
         lora = processor.lora_request
-        self.llm = LLM(processor.model, **{**({"enable_lora": True} if lora else {}), **processor.engine_kwargs})
-        if lora is not None:  # a bad adapter fails the actor as it starts, not row by row
-            self.llm.engine.load_lora(lora)
+        self.llm = llm_for_adapter(processor.model, lora, processor.engine_kwargs)  # a bad adapter fails the actor
         if processor.on_actor_start is not None:
             processor.on_actor_start(self.llm)
         self.adapters = AdaptersByPath(self.llm.engine.loaded_loras())  # rows' "lora_path"s

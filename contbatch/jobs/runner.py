@@ -36,7 +36,7 @@ from contbatch.jobs.settings import (
     require_settings_file,
     write_meta,
 )
-from contbatch.llm import LLM
+from contbatch.llm import LLM, llm_for_adapter
 from contbatch.lora.request import LoRARequest
 from contbatch.models.generation_config import default_sampling_params
 from contbatch.outputs import CompletionOutput, RequestOutput
@@ -202,10 +202,7 @@ def run_job(
     try:
         known = input_settings(params, prompt)
         redo = _check_resume(writer, meta_path, known, source, adapters, redo_mismatched, force)
-        lora_kwargs = {"enable_lora": True} if lora_request is not None else {}
-        llm = llm or LLM(model, **{**lora_kwargs, **(llm_kwargs or {})})
-        if lora_request is not None:  # a bad adapter is refused before any record runs
-            llm.engine.load_lora(lora_request)
+        llm = llm_for_adapter(model, lora_request, llm_kwargs or {}, llm)
         settings = job_settings(model_fingerprint(model), str(llm.dtype), llm.engine.max_model_len, params, prompt,
                                 llm.engine.quantization, llm.engine.config.kv_cache_dtype,
                                 None if lora_request is None else model_fingerprint(Path(lora_request.lora_path)))
