@@ -26,6 +26,7 @@ from contbatch.layers.linear import PackedWeight, int8_packed, packed_linear, pa
 from contbatch.ops.int8_blocks import quantize_weight
 
 from _machine import cpu_description
+from linear import packed_bytes
 from _roofline import copy_bandwidth
 
 WIDTHS = (64, 128, 256, 512, 1024, 2048)
@@ -35,14 +36,6 @@ CACHED_CALLS = 2000
 
 def layouts(weight: torch.Tensor, block: int) -> dict[str, PackedWeight]:
     return {"bf16 panels": panel_packed(weight.bfloat16()), "int8": int8_packed(quantize_weight(weight, block))}
-
-
-def weight_tensors(packed: PackedWeight) -> list[torch.Tensor]:
-    return [packed.data.values, packed.data.scales] if packed.layout == "int8" else [packed.data]
-
-
-def packed_bytes(packed: PackedWeight) -> int:
-    return sum(t.numel() * t.element_size() for t in weight_tensors(packed))
 
 
 def call_seconds(x: torch.Tensor, weights: list[PackedWeight]) -> float:
@@ -73,7 +66,7 @@ def main() -> None:
         copies[width] = {name: [p[name] for p in packed] for name in packed[0]}
         if args.huge_pages:
             for weights in copies[width].values():
-                huge_pages.move_to_huge_pages([t for p in weights for t in weight_tensors(p)])
+                huge_pages.move_to_huge_pages([t for p in weights for t in huge_pages.weight_tensors(p)])
     x = torch.randn(args.rows, args.in_features).bfloat16()
     best: dict[tuple[str, str, int], float] = {}
     for _ in range(args.rounds):
@@ -90,8 +83,8 @@ def main() -> None:
           "| streaming rate |")
     print("| --- | --- | --- | ---: | ---: |")
     for name in copies[WIDTHS[0]]:
+        nbytes = np.array([packed_bytes(copies[w][name][0]) for w in WIDTHS], dtype=float)
         for place in ("memory", "cache"):
-            nbytes = np.array([packed_bytes(copies[w][name][0]) for w in WIDTHS], dtype=float)
             seconds = np.array([best[name, place, w] for w in WIDTHS])
             slope, fixed = np.polyfit(nbytes, seconds, 1)
             times = " / ".join(f"{s * 1e6:.1f}" for s in seconds)

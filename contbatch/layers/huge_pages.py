@@ -45,14 +45,16 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     seen: set[int] = set()
     for module in model.modules():
         for value in vars(module).values():
-            for tensor in _tensors_of(value):
+            for tensor in weight_tensors(value):
                 if tensor.data_ptr() not in seen:
                     seen.add(tensor.data_ptr())
                     tensors.append(tensor)
     return tensors
 
 
-def _tensors_of(value: object) -> list[torch.Tensor]:
+def weight_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors holding a ``PackedWeight``'s or ``PackedInt8``'s bytes (none for oneDNN's
+    opaque ones or any other value)."""
     if isinstance(value, PackedWeight):
         value = value.data
         # oneDNN's packed weights are opaque tensors (layout torch._mkldnn): no bytes to move.
