@@ -69,10 +69,24 @@ def context_sum(start: int, end: int) -> int:
     return (end * (end + 1) - start * (start + 1)) // 2
 
 
+def torch_has_fast_bf16_matmuls() -> bool:
+    """Whether torch's own bf16 matmuls run in oneDNN here. Without AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, as on Zen 3, they fall to a scalar loop: 1.1 GFLOP/s for a 256 x 576 x 1536
+    torch.mm in bf16 against 82 in fp32 there (2026-12-02), so a 4096^3 one takes minutes, and
+    systems whose matmuls are torch's (HF, vLLM CPU) are not run in bf16 on such a CPU."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def matmul_rates(square_size: int = 4096, reps: int = 3) -> dict:
-    """Best-of-``reps`` matmul rate in GFLOP/s for each dtype: a square torch.mm and a model-shaped linear."""
+    """Best-of-``reps`` matmul rate in GFLOP/s for each dtype torch runs at speed here: a square
+    torch.mm and a model-shaped linear (bf16 only where torch_has_fast_bf16_matmuls)."""
     rates = {}
     for name, dtype in DTYPES.items():
+        if dtype == torch.bfloat16 and not torch_has_fast_bf16_matmuls():
+            continue
         rates[name] = {
             f"mm_{square_size}": _gflops(square_size, square_size, square_size, dtype, reps),
             "linear_256x576x1536": _gflops(256, 576, 1536, dtype, reps, inner=20),

@@ -4,7 +4,9 @@ it runs beside decodes) against one HF transformers forward pass over the same t
 For each prompt length, the wall time of ``LLM.generate`` with max_tokens=1 (the prefill
 and one sampled token; the LLM is built and warmed up first) and of
 ``model(input_ids)`` in HF (sdpa attention, no KV cache kept), both in the same dtype,
-fastest of --reps. Prints a markdown table (CPU and kernel tier named); --update-docs
+fastest of --reps. Where torch has no fast bf16 matmul (AVX2-only CPUs such as Zen 3: a
+scalar fallback, _roofline.torch_has_fast_bf16_matmuls), HF runs in fp32, its fastest dtype
+there, and the table says so. Prints a markdown table (CPU and kernel tier named); --update-docs
 writes it into docs/performance.md.
 
     python benchmarks/long_prompt.py [--lengths 500,1000,2500,5000] [--dtype bf16|fp32] [--update-docs]
@@ -25,7 +27,7 @@ from contbatch.demo_model import demo_model_dir  # noqa: E402
 
 from _machine import cpu_description, cpu_kind  # noqa: E402
 from _report import markdown_table, replace_marked  # noqa: E402
-from _roofline import DTYPES, fastest  # noqa: E402
+from _roofline import DTYPES, fastest, torch_has_fast_bf16_matmuls  # noqa: E402
 
 # The last is SmolLM2's longest prompt: max_model_len (8,192) less the one token generated.
 LENGTHS = (500, 1000, 2500, 5000, 8191)
@@ -48,7 +50,8 @@ def main() -> None:
     directory, dtype = demo_model_dir(), DTYPES[args.dtype]
     llm = LLM(directory, dtype=dtype, max_model_len=max(lengths) + 1,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa").eval()
+    hf_dtype_name = args.dtype if args.dtype == "fp32" or torch_has_fast_bf16_matmuls() else "fp32"
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[hf_dtype_name], attn_implementation="sdpa").eval()
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1)
     rows = []
@@ -59,13 +62,16 @@ def main() -> None:
         with torch.inference_mode():
             theirs = fastest(lambda: hf(ids, use_cache=False), reps=args.reps)
         rows.append((length, ours, theirs))
-        print(f"{length} tokens: contbatch {ours:.2f} s, HF forward {theirs:.2f} s", flush=True)
+        print(f"{length} tokens: contbatch {ours:.2f} s, HF forward in {hf_dtype_name} {theirs:.2f} s", flush=True)
     table = "\n".join([
         f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `python benchmarks/long_prompt.py --dtype {args.dtype}`: "
         f"SmolLM2-135M in {args.dtype}, {torch.get_num_threads()} threads, contbatch max_num_batched_tokens="
-        f"{args.max_num_batched_tokens}; CPU: {cpu_description()}. Fastest of {args.reps}.",
+        f"{args.max_num_batched_tokens}; HF in {hf_dtype_name}"
+        f"{'' if hf_dtype_name == args.dtype else ' (torch has no fast bf16 matmul on this CPU)'}; "
+        f"CPU: {cpu_description()}. Fastest of {args.reps}.",
         "",
-        *markdown_table(["prompt tokens", "contbatch prefill (s)", "HF forward (s)", "contbatch speed vs HF"],
+        *markdown_table(["prompt tokens", "contbatch prefill (s)", f"HF forward, {hf_dtype_name} (s)",
+                         "contbatch speed vs HF"],
                         [[str(n), f"{ours:.2f}", f"{theirs:.2f}", f"{theirs / ours:.2f}x"] for n, ours, theirs in rows]),
     ])
     print(table)

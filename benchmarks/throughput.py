@@ -37,7 +37,8 @@ from contbatch.config import MODEL_IMPLS  # noqa: E402
 from _machine import machine_info  # noqa: E402
 from _report import markdown_section, update_docs  # noqa: E402
 from _results import greedy_agreement, run_subprocess  # noqa: E402
-from _roofline import DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates  # noqa: E402
+from _roofline import (DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates,  # noqa: E402
+                      torch_has_fast_bf16_matmuls)
 from _vllm_cpu_system import DEFAULT_VENV as VLLM_CPU_VENV  # noqa: E402
 from _vllm_cpu_system import NAME as VLLM_CPU  # noqa: E402
 from _vllm_cpu_system import missing_venv, run_vllm_cpu  # noqa: E402
@@ -46,6 +47,7 @@ from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # n
 # Run by this script in a subprocess; contbatch_int8 is contbatch with quantization="int8".
 CHILD_SYSTEMS = ("contbatch", "contbatch_int8", "hf_static", "hf_cb", "hf_serial")
 SYSTEMS = (*CHILD_SYSTEMS, VLLM_CPU)
+TORCH_MATMUL_SYSTEMS = ("hf_static", "hf_cb", "hf_serial", VLLM_CPU)  # their matmuls are torch's
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # as contbatch's and vLLM's LLM take them
 
 
@@ -94,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(reason)
         args.systems.remove(VLLM_CPU)
         args.skipped[VLLM_CPU] = reason
+    if args.dtype == "bf16" and not torch_has_fast_bf16_matmuls():
+        for system in [s for s in args.systems if s in TORCH_MATMUL_SYSTEMS]:
+            args.systems.remove(system)
+            args.skipped[system] = ("torch on this CPU has no bf16 matmul but a scalar fallback (oneDNN's bf16 needs "
+                                    "AVX-512 or AVX-NE-CONVERT), so its bf16 is not a dtype a user would pick; "
+                                    "it runs in the fp32 table")
     for name in ("limit", "max_tokens_cap", "serial_limit", "hf_batch_size", "threads", "vllm_kv_cache_gib"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -228,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     element_size = DTYPES[args.dtype].itemsize
     # The peak of the arithmetic the kernels do: bf16 dot products only on the avx512_bf16 tier;
     # every other tier computes bf16 in fp32 FMAs, so its ceiling is the fp32 peak.
-    compute_dtype = args.dtype if args.dtype == "fp32" or ops.cpu_isa() == "avx512_bf16" else "fp32"
+    compute_dtype = args.dtype if args.dtype in rates and (args.dtype == "fp32" or ops.cpu_isa() == "avx512_bf16") \
+        else "fp32"
     run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[compute_dtype]["peak"], copy_gbs,
                           element_size)
     run_ceiling["compute_dtype"] = compute_dtype

