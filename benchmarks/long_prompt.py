@@ -51,7 +51,8 @@ def main() -> None:
     llm = LLM(directory, dtype=dtype, max_model_len=max(lengths) + 1,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     hf_dtype_name = args.dtype if args.dtype == "fp32" or torch_has_fast_bf16_matmuls() else "fp32"
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[hf_dtype_name], attn_implementation="sdpa").eval()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[hf_dtype_name],
+                                              attn_implementation="sdpa").eval()
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1)
     rows = []

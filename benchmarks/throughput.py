@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     element_size = DTYPES[args.dtype].itemsize
     # The peak of the arithmetic the kernels do: bf16 dot products only on the avx512_bf16 tier;
     # every other tier computes bf16 in fp32 FMAs, so its ceiling is the fp32 peak.
-    compute_dtype = args.dtype if args.dtype in rates and (args.dtype == "fp32" or ops.cpu_isa() == "avx512_bf16") \
-        else "fp32"
+    compute_dtype = args.dtype if args.dtype == "fp32" or ops.cpu_isa() == "avx512_bf16" else "fp32"
     run_ceiling = ceiling(ModelFlops.from_config(directory), requests, rates[compute_dtype]["peak"], copy_gbs,
                           element_size)
     run_ceiling["compute_dtype"] = compute_dtype
