@@ -76,6 +76,8 @@ def _system_row(name: str, result: dict, num_requests: int, report_dtype: str | 
     label = SYSTEM_LABELS[name].format(**result.get("config", {}))
     if report_dtype is not None and result.get("config", {}).get("dtype", report_dtype) != report_dtype:
         label += f", {result['config']['dtype']} elsewhere"
+    if result.get("dtype", report_dtype) != report_dtype:  # vLLM CPU in its best dtype (throughput.py)
+        label += f" in {result['dtype']}, its fastest dtype here"
     if result.get("config", {}).get("kv_cache_dtype", "auto") != "auto":
         label += f", {result['config']['kv_cache_dtype']} KV cache"
     wall = f"{result['wall_s']:.1f}"

@@ -1,6 +1,8 @@
 """Times the bf16 linear layers of one SmolLM2-135M step: contbatch's panel kernel against
 oneDNN's packed linear (what contbatch used before) and plain ``F.linear``; on CPUs with AMX,
-the panels with the AMX kernel switched off too (``vector``); with ``--int8``,
+the panels with the AMX kernel switched off too (``vector``); on tiers that widen bf16 to
+fp32, the way of widening the CPU does not take by default too (``widened`` or ``direct``);
+the same weights in fp32 on oneDNN (``fp32``: what ``dtype="float32"`` runs); with ``--int8``,
 the same weights in 8-bit blocks too (``LLM(quantization="int8")``'s layers).
 
 One "step" is the model's 121 projections (fused QKV, O, fused gate-up and down for 30
@@ -40,6 +42,7 @@ from _machine import cpu_description, cpu_kind
 from _roofline import copy_bandwidth, fastest
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
+WIDENING_ISAS = ("generic", "avx2", "avx512")  # tiers that widen bf16 to fp32, with two kernels for it
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 720)
 
 
@@ -85,6 +88,27 @@ def without_amx(step):
     return run_on_the_vector_kernel, nbytes
 
 
+def widening_switched(step, on: bool):
+    """``step`` (a packed_step) with the widened bf16 kernel switched ``on`` or off (ops.use_widened_panels)."""
+    run, nbytes = step
+
+    def run_with_the_other_widening(inputs: dict[int, torch.Tensor]) -> None:
+        with ops.use_widened_panels(on):
+            run(inputs)
+
+    return run_with_the_other_widening, nbytes
+
+
+def fp32_step(weights: list[torch.Tensor]):
+    """The same weights in fp32 on oneDNN's packed linear (what dtype="float32" runs), fed fp32 rows."""
+    run, nbytes = packed_step([w.float() for w in weights], onednn_packed)
+
+    def run_in_fp32(inputs: dict[int, torch.Tensor]) -> None:
+        run({k: x.float() for k, x in inputs.items()})
+
+    return run_in_fp32, nbytes
+
+
 def plain_step(weights: list[torch.Tensor]):
     def run(inputs: dict[int, torch.Tensor]) -> None:
         for w in weights:
@@ -101,6 +125,14 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
                  f"scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
     amx_note = (" `panels`: `bf16_linear` as the engine calls it, calls of 5 rows or more on the AMX kernel; "
                 "`vector`: the same with AMX switched off." if "vector" in results else "")
+    widening_note = {"widened": " `panels` widens each weight in the loop (this CPU's default); `widened`: the "
+                                "panel widened to fp32 first (ops.use_widened_panels(True)).",
+                     "direct": " `panels` widens a panel to fp32 first from 10 rows (this CPU's default); `direct`: "
+                               "each weight widened in the loop (ops.use_widened_panels(False))."}
+    amx_note += next((note for name, note in widening_note.items() if name in results), "")
+    if "fp32" in results:
+        amx_note += (f" `fp32`: the same weights in fp32 ({step_bytes['fp32'] / 1e6:.0f} MB) on oneDNN, "
+                     "what dtype=\"float32\" runs.")
     lines = [
         f"One step = SmolLM2-135M's 121 bf16 projections{copies_note}, {step_bytes[names[0]] / 1e6:.0f} MB of weights."
         f"{int8_note}{amx_note} "
@@ -110,7 +142,8 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
         "",
     ]
     # (column, faster, slower): how many times faster the first system ran, where both ran.
-    pairs = (("panels", "onednn"), ("panels", "vector"), ("int8", "panels"))
+    pairs = (("panels", "onednn"), ("panels", "vector"), ("panels", "widened"), ("panels", "direct"),
+             ("panels", "fp32"), ("int8", "panels"))
     ratios = [(f"{a} vs {b}", a, b) for a, b in pairs if a in results and b in results]
     lines += [
         "| rows | " + " | ".join([f"{n} ms (GB/s, GFLOP/s)" for n in names] + [r[0] for r in ratios]) + " |",
@@ -147,7 +180,12 @@ def main() -> None:
         panels = packed_step(weights, panel_packed)
         if ops.amx_bf16_matmuls():  # "panels" takes the AMX kernel from 5 rows: the vector kernel beside it
             steps = {"vector": without_amx(panels), **steps}
+        if ops.cpu_isa() in WIDENING_ISAS:  # the way of widening bf16 this CPU does not take, beside it
+            widened = ops.widened_bf16_panels()
+            steps = {"direct" if widened else "widened": widening_switched(panels, not widened), **steps}
         steps = {"panels": panels, **steps}
+    if onednn_can_pack(weights[0].float()):
+        steps["fp32"] = fp32_step(weights)
     if args.int8:
         with ops.use_int8_kernel(args.int8_kernel):  # the blocks LLM(quantization="int8") takes with that kernel
             block = ops.int8_weight_block()

@@ -96,8 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(reason)
         args.systems.remove(VLLM_CPU)
         args.skipped[VLLM_CPU] = reason
+    # vLLM CPU's dtype in this run: its best one. Where torch has no bf16 matmul, that is fp32,
+    # which a bf16 run measures too: contbatch's default dtype is bf16 on such CPUs (Zen 3)
+    # and issue 15 compares it with vLLM's best in the same run.
+    args.vllm_dtype = args.dtype
     if args.dtype == "bf16" and not torch_has_fast_bf16_matmuls():
-        for system in [s for s in args.systems if s in TORCH_MATMUL_SYSTEMS]:
+        args.vllm_dtype = "fp32"
+        for system in [s for s in args.systems if s in TORCH_MATMUL_SYSTEMS and s != VLLM_CPU]:
             args.systems.remove(system)
             args.skipped[system] = ("torch on this CPU has no bf16 matmul but a scalar fallback (oneDNN's bf16 needs "
                                     "AVX-512 or AVX-NE-CONVERT), so its bf16 is not a dtype a user would pick; "
@@ -180,8 +185,9 @@ def run_system(system: str, argv: list[str], args: argparse.Namespace, requests:
         }
         # Every core (or --threads of them) for vLLM's compute, as contbatch's torch threads get.
         threads = args.threads or os.cpu_count()
-        return run_vllm_cpu(args.vllm_venv, model_dir(args), DTYPE_NAMES[args.dtype], requests,
-                            warmup_requests(tokenizer), settings, threads)  # fmt: skip
+        result = run_vllm_cpu(args.vllm_venv, model_dir(args), DTYPE_NAMES[args.vllm_dtype], requests,
+                              warmup_requests(tokenizer), settings, threads)  # fmt: skip
+        return {**result, "dtype": args.vllm_dtype}
     env = dict(os.environ)
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)

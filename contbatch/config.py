@@ -204,11 +204,14 @@ def cpu_serves_bf16() -> bool:
     (docs/performance.md): bf16 wins where the kernels run the avx512_bf16 tier, whose
     vdpbf16ps does twice an FMA's work (Zen 4: 578 against 276 output tok/s), and on CPUs
     with AMX, whose bf16 linears of many rows run in AMX tiles (ops.amx_bf16_matmuls;
-    Emerald Rapids: 844 against 313 for fp32). Elsewhere bf16
-    still halves the bytes a decode step reads (1.3-1.7x faster steps with few requests
-    running), but fp32 matmuls are faster at the many-request steps that dominate a large
-    batch (Intel Emerald Rapids without AMX: fp32 346 against 316 tok/s for bf16; the AVX2
-    tier there: 238 against 202), so "auto" is fp32; pass dtype="bfloat16" for small batches.
+    Emerald Rapids: 844 against 313 for fp32), and on the avx2 tier where its bf16 linear
+    widens each weight in the loop (AMD: ops.widened_bf16_panels() is off), as fast as
+    oneDNN's fp32 up to 128 rows with half the bytes (Zen 3: 165.8 against 146.9). On
+    Intel CPUs without AMX bf16 still halves the bytes a decode step reads (1.3-1.7x faster
+    steps with few requests running), but fp32 matmuls are faster at the many-request steps
+    that dominate a large batch (Emerald Rapids without AMX: fp32 346 against 316 tok/s for
+    bf16; its AVX2 tier: 238 against 202), so "auto" is fp32 there; pass dtype="bfloat16"
+    for small batches.
     Without the extension, CPUs with native bf16 matmuls (AVX512_BF16 or AMX, through oneDNN)
     take bf16.
 
@@ -219,7 +222,8 @@ def cpu_serves_bf16() -> bool:
     beside fp32 at 396.0 and 398.2), at +0.65% perplexity against the fp32 model (+0.56%
     with fp32 around the int8 matmuls)."""
     if ops.cpu_isa() is not None:
-        return ops.cpu_isa() == "avx512_bf16" or ops.amx_bf16_matmuls()
+        direct_avx2 = ops.cpu_isa() == "avx2" and not ops.widened_bf16_panels()
+        return ops.cpu_isa() == "avx512_bf16" or ops.amx_bf16_matmuls() or direct_avx2
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _cpu_flags_have_bf16()
     except (AttributeError, RuntimeError):

@@ -70,5 +70,9 @@ bool amx_linears();
 bool set_amx_linears(bool on);
 // Whether int8 linears of many rows run on the AMX int8 kernel now (amx_int8_linear_kernels).
 bool amx_int8_linears();
+// Whether bf16 linears of 2 row tiles or more widen each panel to fp32 first now
+// (csrc/cpu/cpu_isa.h, widened_linear_kernels), and switching that on or off (returns the setting before).
+bool widened_linears();
+bool set_widened_linears(bool on);
 
 }  // namespace contbatch

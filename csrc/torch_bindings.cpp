@@ -40,6 +40,8 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("amx_linears() -> bool", &contbatch::amx_linears);
   m.def("set_amx_linears(bool on) -> bool", &contbatch::set_amx_linears);
   m.def("amx_int8_linears() -> bool", &contbatch::amx_int8_linears);
+  m.def("widened_linears() -> bool", &contbatch::widened_linears);
+  m.def("set_widened_linears(bool on) -> bool", &contbatch::set_widened_linears);
 }
 
 TORCH_LIBRARY_IMPL(contbatch, CPU, m) {

@@ -168,6 +168,33 @@ def use_amx_matmuls(on: bool) -> Iterator[None]:
         set_amx_matmuls(before)
 
 
+def widened_bf16_panels() -> bool:
+    """Whether ``bf16_linear`` calls of 2 register tiles of rows or more widen each weight
+    panel to fp32 before the multiply-adds now (csrc/cpu/linear_kernel.h): on tiers without
+    bf16 dot products (generic, avx2, avx512), by default on Intel CPUs only, where it was
+    faster; on AMD (Zen 3) widening each weight in the loop was (csrc/cpu/cpu_isa.cpp)."""
+    return _native is not None and bool(_native.widened_linears())
+
+
+def set_widened_panels(on: bool) -> bool:
+    """Switches the widened bf16 kernel on or off (on changes nothing on a tier with bf16 dot
+    products); returns the setting before."""
+    if _native is None:
+        return False
+    return bool(_native.set_widened_linears(on))
+
+
+@contextmanager
+def use_widened_panels(on: bool) -> Iterator[None]:
+    """Runs the block with the widened bf16 kernel switched on or off, then restores the
+    setting: how tests run both kernels on any CPU and benchmarks compare them."""
+    before = set_widened_panels(on)
+    try:
+        yield
+    finally:
+        set_widened_panels(before)
+
+
 def bf16_linear_available() -> bool:
     """Whether ``bf16_linear`` has a compiled kernel: every ISA tier has one, so bf16
     weights take its panel layout wherever the extension is built."""
@@ -236,6 +263,9 @@ __all__ = [
     "amx_bf16_matmuls",
     "set_amx_matmuls",
     "use_amx_matmuls",
+    "set_widened_panels",
+    "use_widened_panels",
+    "widened_bf16_panels",
     "amx_int8_matmuls",
     "bf16_linear_available",
     "int8_quantize_rows",

@@ -38,4 +38,11 @@ const Int8Kernels* amx_int8_linear_kernels();
 // returns the setting before. On where the CPU lacks AMX changes nothing.
 bool set_amx_linears(bool on);
 
+// The active tier's widened bf16 linear kernel (KernelSet::widened_linear) where it runs now:
+// a tier without bf16 dot products and widening switched on, by default on Intel CPUs only
+// (cpu_isa.cpp says why); else nullptr.
+const LinearKernels* widened_linear_kernels();
+// Switches the widened kernel on or off (tests run both on any CPU); returns the setting before.
+bool set_widened_linears(bool on);
+
 }  // namespace contbatch::cpu

@@ -11,4 +11,12 @@
 constexpr LayerKernelSet kTierLayerKernels{&kLayerKernels<float>, &kLayerKernels<uint16_t>, &first_above};
 constexpr LinearKernels kTierLinearKernels{&linear_bf16_panel, kLinearTileRows, &linear_scratch_bytes,
                                                 kVectorRunRows};
-constexpr KernelSet kTierTable{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels};
+#ifdef CONTBATCH_WIDENS_PANELS
+constexpr LinearKernels kTierWidenedLinearKernels{&linear_bf16_widened, kLinearTileRows, &widened_linear_scratch_bytes,
+                                                  kVectorRunRows};
+constexpr const LinearKernels* kTierWidenedLinear = &kTierWidenedLinearKernels;
+#else
+constexpr const LinearKernels* kTierWidenedLinear = nullptr;
+#endif
+constexpr KernelSet kTierTable{CONTBATCH_TIER_NAME, &kKernels, &kTierLayerKernels, &kTierLinearKernels,
+                               kTierWidenedLinear};

@@ -25,12 +25,14 @@ constexpr int64_t kAmxMinRows = 5;
 // The AMX kernel multiplies 32 inputs a tile; other widths stay on the vector kernel.
 constexpr int64_t kAmxInputMultiple = 32;
 
-// The kernel a call of `rows` x `in_features` runs on.
+// The kernel a call of `rows` x `in_features` runs on: AMX, else the widened kernel where it
+// runs (it leaves runs of fewer than 2 row tiles to the direct loop), else the tier's vector kernel.
 const cpu::LinearKernels& linear_kernels_for(int64_t rows, int64_t in_features) {
   if (rows >= kAmxMinRows && in_features % kAmxInputMultiple == 0) {
     if (const cpu::LinearKernels* amx = cpu::amx_linear_kernels()) return *amx;
   }
-  return *cpu::active_kernels().linear;
+  const cpu::LinearKernels* widened = cpu::widened_linear_kernels();
+  return widened != nullptr ? *widened : *cpu::active_kernels().linear;
 }
 
 void check_bf16_matrix(const at::Tensor& t, const char* name) {

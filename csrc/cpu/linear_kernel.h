@@ -10,13 +10,15 @@
 // pairs are broadcast from the rows as they are where the tier multiplies bf16 pairs
 // (kPairsBroadcastAsStored), else staged first (stage_pair: the pair widened to fp32).
 //
-// Tiers without bf16 dot products (CONTBATCH_WIDENS_PANELS) widen the whole panel to fp32
-// first when a call has kWidenFromRows rows or more: every weight is then widened once per call instead
-// of once per row tile, and the inner loop is plain fp32 loads, broadcasts and FMAs. Both
-// ways add each pair's odd product before its even one (accumulate_pair_row's order), so a
-// row's result does not depend on which way its run took: runs follow the split of a call
-// over the threads (panel_runs.h), and with the orders apart a greedy token could change
-// with the thread count, which follows the machine's load (contbatch/engine/threads.py).
+// Tiers without bf16 dot products (CONTBATCH_WIDENS_PANELS) also have a widened kernel,
+// linear_bf16_widened: it widens the whole panel to fp32 first, so every weight is widened
+// once per call instead of once per row tile, and the inner loop is plain fp32 loads,
+// broadcasts and FMAs, for runs of kWidenFromRows rows or more (fewer take the direct loop).
+// The driver (linear.cpp) calls it on CPUs where it pays (cpu_isa.h). Both kernels add each
+// pair's odd product before its even one (accumulate_pair_row's order), so a row's result
+// does not depend on which one ran it: runs follow the split of a call over the threads
+// (panel_runs.h), and with the orders apart a greedy token could change with the thread
+// count, which follows the machine's load (contbatch/engine/threads.py).
 
 static_assert(kLinearTileRows <= kMaxLinearTileRows && sizeof(StagedPair) <= 8, "linear scratch too small");
 constexpr int kTileColumns = kLinearTileVectors * kLanes;
@@ -81,6 +83,15 @@ inline void direct_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t i
   }
   stage_rows<MR>(staged, x, x_stride, in_features);
   run_tiles([&](int64_t k, int m) { return staged[k * MR + m]; });
+}
+
+void linear_bf16_panel(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
+                       const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch) {
+  auto* staged = reinterpret_cast<StagedPair*>(static_cast<char*>(scratch) + kLinearScratchHeader);
+  for_row_tiles<kLinearTileRows>(rows, [&](auto tile, int64_t r) {
+    direct_row_tile(tile, x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride, out_stride,
+                    columns, staged);
+  });
 }
 
 #ifdef CONTBATCH_WIDENS_PANELS
@@ -148,6 +159,9 @@ inline void wide_row_tile(Tile, const uint16_t* x, int64_t x_stride, int64_t in_
 // bytes a pair), then the widened panel, kept for the thread's next task on the same panel.
 void linear_bf16_widened(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
                          const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch) {
+  if (rows < kWidenFromRows) {
+    return linear_bf16_panel(x, x_stride, rows, in_features, panel, bias, out, out_stride, columns, scratch);
+  }
   const int64_t pairs = (in_features + 1) / 2, inputs = 2 * pairs;
   auto** widened_panel = static_cast<const uint16_t**>(scratch);
   auto* staged = reinterpret_cast<float*>(static_cast<char*>(scratch) + kLinearScratchHeader);
@@ -163,16 +177,3 @@ void linear_bf16_widened(const uint16_t* x, int64_t x_stride, int64_t rows, int6
 }
 #endif  // CONTBATCH_WIDENS_PANELS
 
-void linear_bf16_panel(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_features, const uint16_t* panel,
-                       const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t columns, void* scratch) {
-#ifdef CONTBATCH_WIDENS_PANELS
-  if (rows >= kWidenFromRows) {
-    return linear_bf16_widened(x, x_stride, rows, in_features, panel, bias, out, out_stride, columns, scratch);
-  }
-#endif
-  auto* staged = reinterpret_cast<StagedPair*>(static_cast<char*>(scratch) + kLinearScratchHeader);
-  for_row_tiles<kLinearTileRows>(rows, [&](auto tile, int64_t r) {
-    direct_row_tile(tile, x + r * x_stride, x_stride, in_features, panel, bias, out + r * out_stride, out_stride,
-                    columns, staged);
-  });
-}

@@ -13,14 +13,17 @@ namespace contbatch::cpu {
 constexpr int64_t kPanelColumns = 64;
 
 // Scratch one bf16_panel call needs: a row tile's inputs, staged pair by pair (at most
-// 8 rows of 8 bytes a pair), and on tiers without bf16 dot products the panel widened to
-// fp32 (64 columns x 2 inputs x 4 bytes a pair).
+// 8 rows of 8 bytes a pair), and for the widened kernel (tiers without bf16 dot products)
+// the panel widened to fp32 (64 columns x 2 inputs x 4 bytes a pair).
 constexpr int64_t kMaxLinearTileRows = 8;
 // The first 64 bytes hold which panel the widened copy is of: the driver zeroes them before
 // a thread's first task of each call, so consecutive tasks on one panel widen it once.
 constexpr int64_t kLinearScratchHeader = 64;
 inline int64_t linear_scratch_bytes(int64_t in_features) {
-  return kLinearScratchHeader + (in_features + 1) / 2 * (kMaxLinearTileRows * 8 + kPanelColumns * 2 * 4);
+  return kLinearScratchHeader + (in_features + 1) / 2 * kMaxLinearTileRows * 8;
+}
+inline int64_t widened_linear_scratch_bytes(int64_t in_features) {
+  return linear_scratch_bytes(in_features) + (in_features + 1) / 2 * kPanelColumns * 2 * 4;
 }
 
 // Rows one call of the vector kernels takes at most: a panel's weights (64 columns x

@@ -14,7 +14,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from _report import _notes, _vllm_cpu_details  # noqa: E402
+from _report import _notes, _system_row, _vllm_cpu_details  # noqa: E402
 from _results import greedy_agreement  # noqa: E402
 import throughput  # noqa: E402
 from throughput import parse_args  # noqa: E402
@@ -56,16 +56,26 @@ def test_all_includes_vllm_cpu_when_its_venv_exists(tmp_path):
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_bf16_runs_torch_matmul_systems_only_where_torch_has_fast_bf16(monkeypatch, tmp_path, fast_bf16):
+    """Where torch's bf16 matmul is a scalar fallback, a bf16 run skips HF and runs vLLM CPU
+    in fp32, its best dtype there, beside contbatch's bf16 (issue 15: the same run)."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").touch()
     monkeypatch.setattr(throughput, "torch_has_fast_bf16_matmuls", lambda: fast_bf16)
     systems = ["contbatch", "contbatch_int8", "hf_static", "hf_cb", "vllm-cpu"]
     args = parse_args(["--systems", ",".join(systems), "--dtype", "bf16", "--vllm-venv", str(tmp_path)])
-    kept = systems if fast_bf16 else ["contbatch", "contbatch_int8"]
+    kept = systems if fast_bf16 else ["contbatch", "contbatch_int8", "vllm-cpu"]
     assert args.systems == kept and sorted(args.skipped) == sorted(set(systems) - set(kept))
     assert all("scalar fallback" in reason for reason in args.skipped.values())
+    assert args.vllm_dtype == ("bf16" if fast_bf16 else "fp32")
     fp32 = parse_args(["--systems", ",".join(systems), "--dtype", "fp32", "--vllm-venv", str(tmp_path)])
-    assert fp32.systems == systems and fp32.skipped == {}
+    assert fp32.systems == systems and fp32.skipped == {} and fp32.vllm_dtype == "fp32"
+
+
+def test_report_names_vllm_cpus_dtype_where_it_differs_from_the_runs():
+    result = {"wall_s": 10.0, "output_tok_s": 5.0, "total_tok_s": 9.0, "ttft_median_s": 1.0, "ttft_p99_s": 2.0,
+              "peak_rss_mib": 100, "fraction_of_ceiling": 0.5, "config": {}}
+    assert "vLLM CPU in fp32, its fastest dtype here |" in _system_row("vllm-cpu", {**result, "dtype": "fp32"}, 4, "bf16")
+    assert "| vLLM CPU |" in _system_row("vllm-cpu", {**result, "dtype": "bf16"}, 4, "bf16")
 
 
 def test_report_states_start_up_time_and_agreement():

@@ -189,18 +189,20 @@ def test_unknown_quantization_is_refused_before_loading():
         LLM("no/such/model", quantization="int4")
 
 
+@pytest.mark.parametrize("widened", [False, True], ids=["direct", "widened"])
 @pytest.mark.parametrize("isa", ops.supported_cpu_isas() or ["reference"])
-def test_auto_dtype_is_bf16_around_int8_weights_on_every_tier(isa, tiny_model_dirs):
-    """Unquantized, "auto" is bf16 only on the avx512_bf16 tier and on AMX CPUs running an
-    AVX-512 tier (fp32 elsewhere); with int8 weights it is bf16 on every tier; an explicit
-    dtype stays as given."""
+def test_auto_dtype_is_bf16_around_int8_weights_on_every_tier(isa, widened, tiny_model_dirs):
+    """Unquantized, "auto" is bf16 only on the avx512_bf16 tier, on AMX CPUs running an
+    AVX-512 tier and on the avx2 tier with its widened bf16 kernel off (AMD's default), fp32
+    elsewhere; with int8 weights it is bf16 on every tier; an explicit dtype stays as given."""
     settings = dict(device="cpu", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
-    with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
+    with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext(), ops.use_widened_panels(widened):
         amx = ops.amx_bf16_matmuls()
         plain = LLM(tiny_model_dirs["llama"], **settings).dtype
         int8 = LLM(tiny_model_dirs["llama"], quantization="int8", **settings).dtype
         fp32 = LLM(tiny_model_dirs["llama"], quantization="int8", dtype="float32", **settings).dtype
-    assert plain == (torch.bfloat16 if isa == "avx512_bf16" or amx else torch.float32)
+    direct_avx2 = isa == "avx2" and not widened
+    assert plain == (torch.bfloat16 if isa == "avx512_bf16" or amx or direct_avx2 else torch.float32)
     assert int8 == torch.bfloat16
     assert fp32 == torch.float32
 

@@ -1,7 +1,8 @@
 """The bf16 linear op (csrc/cpu/linear*.{cpp,h}) against its PyTorch reference on random
 shapes: row counts around the 6-row register tile and the 48-row task, output counts
 around the 64-column panel, odd and even input counts, with and without bias, every ISA
-tier this CPU runs (with the AMX kernel off), and on CPUs with AMX the AMX kernel
+tier this CPU runs (with the AMX kernel off), the widened kernel of the tiers without bf16 dot
+products whatever the CPU's default, and on CPUs with AMX the AMX kernel
 (csrc/cpu/linear_amx_kernel.h) on its own shapes. The two sum in a different order, so they
 agree to one bf16 rounding step."""
 
@@ -40,13 +41,17 @@ amx_only = pytest.mark.skipif(not AMX_HERE, reason="this CPU (or its VM) exposes
                                                    "the tile registers, or the build lacks the AMX kernel")
 
 
-def _run_both(x, weight, bias, isa, use_amx=False):
+# Tiers whose bf16 linear has a widened kernel (KernelSet::widened_linear): no bf16 dot products.
+WIDENING_ISAS = ("generic", "avx2", "avx512")
+
+
+def _run_both(x, weight, bias, isa, use_amx=False, widened=False):
     packed = pack_panels(weight)
     rows, out_features = x.shape[0], weight.shape[0]
     ours = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
     expected = torch.empty(rows, out_features, dtype=torch.bfloat16)
     reference.bf16_linear(expected, x, packed, bias)
-    with cpu_isa(isa), ops.use_amx_matmuls(use_amx):
+    with cpu_isa(isa), ops.use_amx_matmuls(use_amx), ops.use_widened_panels(widened):
         native.bf16_linear(ours, x, packed, bias)
     return ours, expected
 
@@ -75,19 +80,24 @@ def test_bf16_linear_matches_reference(isa, rows, out_features, in_features, wit
     assert_within_one_rounding(ours, expected, in_features)
 
 
+@pytest.mark.parametrize("widened", [False, True], ids=["direct", "widened"])
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("rows", [1, 4, 6, 11, 49, 101])
-def test_bf16_linear_on_model_shapes(rows, isa):
+def test_bf16_linear_on_model_shapes(rows, isa, widened):
     g = torch.Generator().manual_seed(rows)
     x, weight = _random((rows, 576), g), _random((960, 576), g, 0.05)
-    ours, expected = _run_both(x, weight, None, isa)
+    ours, expected = _run_both(x, weight, None, isa, widened=widened)
     assert_within_one_rounding(ours, expected, 576)
 
 
-def _tiers_and_amx() -> list:
-    """Every tier with AMX off, and the avx512 tier with the AMX kernel where it runs."""
-    return [pytest.param(p.values[0], False, marks=p.marks, id=p.values[0]) for p in isa_params()] + [
-        pytest.param("avx512", True, marks=amx_only, id="avx512+amx")]
+def _kernels() -> list:
+    """(isa, kernel) for every tier's vector kernel with AMX and widening off, the widened
+    kernel of the tiers that have one, and the avx512 tier's AMX kernel where it runs."""
+    tiers = [(p.values[0], p.marks) for p in isa_params()]
+    return ([pytest.param(isa, "vector", marks=marks, id=isa) for isa, marks in tiers]
+            + [pytest.param(isa, "widened", marks=marks, id=f"{isa}+widened") for isa, marks in tiers
+               if isa in WIDENING_ISAS]
+            + [pytest.param("avx512", "amx", marks=amx_only, id="avx512+amx")])
 
 
 def _order_sensitive(rows: int, out_features: int, in_features: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,41 +114,54 @@ def _order_sensitive(rows: int, out_features: int, in_features: int, generator) 
     return x.to(torch.bfloat16), weight.to(torch.bfloat16)
 
 
-def _bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str, use_amx: bool) -> torch.Tensor:
+def _bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, isa: str, kernel: str) -> torch.Tensor:
     out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    with cpu_isa(isa), ops.use_amx_matmuls(use_amx):
+    with cpu_isa(isa), ops.use_amx_matmuls(kernel == "amx"), ops.use_widened_panels(kernel == "widened"):
         native.bf16_linear(out, x, packed, None)
     return out
 
 
+@pytest.mark.parametrize("kernel", ["vector", "widened"])
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("rows", [5, 12, 17, 40])
-def test_a_rows_result_does_not_depend_on_the_rows_called_with_it(isa, rows):
+def test_a_rows_result_does_not_depend_on_the_rows_called_with_it(isa, rows, kernel):
     """One call of all the rows against one call a row, on each tier's vector kernel (AMX, which
-    takes calls of 5 rows or more, sums in its own order): tiers without bf16 dot products
-    widen the panel from 2 row tiles on, and both loops must add the products in the same
-    order. Before, the widened loop added each pair's even product first and the direct one
-    its odd product: on the generic, AVX2 and AVX-512 tiers a row came out differently beside
-    other rows."""
+    takes calls of 5 rows or more, sums in its own order): with the widened kernel on, tiers
+    without bf16 dot products widen the panel for runs of 2 row tiles or more and run single
+    rows on the direct loop, and both loops must add the products in the same order. Before, the widened
+    loop added each pair's even product first and the direct one its odd product: on the
+    generic, AVX2 and AVX-512 tiers a row came out differently beside other rows."""
     gen = torch.Generator().manual_seed(rows)
     x, weight = _order_sensitive(rows, 130, 576, gen)
     packed = pack_panels(weight)
-    together = _bf16_linear(x, packed, 130, isa, use_amx=False)
+    together = _bf16_linear(x, packed, 130, isa, kernel)
     with num_threads(1):
-        alone = torch.cat([_bf16_linear(x[r : r + 1], packed, 130, isa, use_amx=False) for r in range(rows)])
+        alone = torch.cat([_bf16_linear(x[r : r + 1], packed, 130, isa, kernel) for r in range(rows)])
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("isa, use_amx", _tiers_and_amx())
+def test_widened_kernel_runs_by_default_on_intel_only():
+    """cpu_isa.cpp's rule: widening each panel first was faster on Intel (Emerald Rapids), the
+    direct kernel on AMD (Zen 3); tiers with bf16 dot products have no widened kernel."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        vendor = next((line.split(":")[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
+    widens = ops.cpu_isa() in WIDENING_ISAS and vendor == "GenuineIntel"
+    assert ops.widened_bf16_panels() == widens
+    with ops.use_widened_panels(not widens):
+        assert ops.widened_bf16_panels() == (not widens and ops.cpu_isa() in WIDENING_ISAS)
+    assert ops.widened_bf16_panels() == widens
+
+
+@pytest.mark.parametrize("isa, kernel", _kernels())
 @pytest.mark.parametrize("rows", [1, 12, 17, 40, 100])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 576), (200, 75)])
-def test_bf16_linear_is_the_same_at_every_thread_count(isa, use_amx, rows, out_features, in_features):
+def test_bf16_linear_is_the_same_at_every_thread_count(isa, kernel, rows, out_features, in_features):
     """The threads split a call into runs of rows of a panel (panel_runs.h), so the rows of a
     panel at a thread's boundary run in a shorter call of the kernel than at 1 thread."""
     gen = torch.Generator().manual_seed(rows + out_features)
     x, weight = _order_sensitive(rows, out_features, in_features, gen)
     packed = pack_panels(weight)
-    assert_same_at_every_thread_count(lambda: _bf16_linear(x, packed, out_features, isa, use_amx))
+    assert_same_at_every_thread_count(lambda: _bf16_linear(x, packed, out_features, isa, kernel))
 
 
 @pytest.mark.parametrize("isa", isa_params())
