@@ -171,9 +171,9 @@ namespace {
 // Whether widening a whole panel to fp32 before the FMAs beats widening each weight in the
 // loop. On Intel it does: an Emerald Rapids Xeon ran a 256-row SmolLM2 MLP projection in 3.65
 // ms widened against 4.2-5.3 on its avx2 tier (2026-11-25). On AMD it does not: on a Zen 3
-// (avx2 tier, 2026-12-02) the direct kernel ran SmolLM2's 121 projections 1.3-1.5x faster
-// at every count of 10-256 rows (87 against 57 GFLOP/s at 64 rows), 576- and 1536-input
-// projections alike; a Zen 3 core does the loop's shift or mask beside its two FMAs.
+// (avx2 tier, 2026-12-02) the direct kernel ran SmolLM2's 121 projections 1.3-1.4x faster
+// at every count of 16-720 rows (94 against 72 GFLOP/s at 256 rows: benchmarks/linear.py,
+// docs/performance.md), its 576- and 1536-input projections alike.
 bool widening_pays() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
