@@ -245,8 +245,9 @@ def test_cli_generates_from_a_gguf_file(q8_0_gguf, tmp_path):
 
 @pytest.mark.skipif("avx2" not in ops.supported_cpu_isas(), reason="needs a tier where unquantized 'auto' is fp32")
 def test_auto_dtype_is_bf16_for_a_gguf_with_q8_0_layers(q8_0_gguf, tmp_path):
+    """On the avx2 tier with its widened bf16 kernel on (Intel's default), unquantized "auto" is fp32."""
     dense = write_gguf(q8_0_gguf, tmp_path / "f32.gguf", 2, lambda name, values: "F32")
     settings = dict(device="cpu", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2)
-    with ops.use_cpu_isa("avx2"):
+    with ops.use_cpu_isa("avx2"), ops.use_widened_panels(True):
         assert LLM(q8_0_gguf, **settings).dtype == torch.bfloat16
         assert LLM(dense, **settings).dtype == torch.float32
