@@ -42,7 +42,6 @@ from _machine import cpu_description, cpu_kind
 from _roofline import copy_bandwidth, fastest
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS, VOCAB = 576, 1536, 960, 30, 49152
-WIDENING_ISAS = ("generic", "avx2", "avx512")  # tiers that widen bf16 to fp32, with two kernels for it
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 720)
 
 
@@ -127,7 +126,8 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
                 "`vector`: the same with AMX switched off." if "vector" in results else "")
     widening_note = {"widened": " `panels` widens each weight in the loop (this CPU's default); `widened`: the "
                                 "panel widened to fp32 first (ops.use_widened_panels(True)).",
-                     "direct": " `panels` widens a panel to fp32 first from 10 rows (this CPU's default); `direct`: "
+                     "direct": " `panels` widens a panel to fp32 first for runs of 2 register tiles of rows "
+                               "(this CPU's default); `direct`: "
                                "each weight widened in the loop (ops.use_widened_panels(False))."}
     amx_note += next((note for name, note in widening_note.items() if name in results), "")
     if "fp32" in results:
@@ -180,8 +180,10 @@ def main() -> None:
         panels = packed_step(weights, panel_packed)
         if ops.amx_bf16_matmuls():  # "panels" takes the AMX kernel from 5 rows: the vector kernel beside it
             steps = {"vector": without_amx(panels), **steps}
-        if ops.cpu_isa() in WIDENING_ISAS:  # the way of widening bf16 this CPU does not take, beside it
-            widened = ops.widened_bf16_panels()
+        widened = ops.widened_bf16_panels()
+        with ops.use_widened_panels(True):
+            tier_widens = ops.widened_bf16_panels()  # tiers with bf16 dot products have no widened kernel
+        if tier_widens:  # the way of widening bf16 this CPU does not take, beside it
             steps = {"direct" if widened else "widened": widening_switched(panels, not widened), **steps}
         steps = {"panels": panels, **steps}
     if onednn_can_pack(weights[0].float()):

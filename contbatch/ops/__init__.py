@@ -8,8 +8,8 @@ semantics as :mod:`contbatch.ops.reference`.
 import importlib
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 
 import torch
@@ -158,18 +158,23 @@ def set_amx_matmuls(on: bool) -> bool:
 
 
 @contextmanager
-def use_amx_matmuls(on: bool) -> Iterator[None]:
-    """Runs the block with the AMX kernels switched on or off, then restores the setting:
-    how tests and benchmarks compare AMX with the vector kernels in one process."""
-    before = set_amx_matmuls(on)
+def _switched(switch: Callable[[bool], bool], on: bool) -> Iterator[None]:
+    """The block with ``switch`` (a setter returning the setting before) at ``on``, then the setting restored."""
+    before = switch(on)
     try:
         yield
     finally:
-        set_amx_matmuls(before)
+        switch(before)
+
+
+def use_amx_matmuls(on: bool) -> AbstractContextManager[None]:
+    """Runs the block with the AMX kernels switched on or off, then restores the setting:
+    how tests and benchmarks compare AMX with the vector kernels in one process."""
+    return _switched(set_amx_matmuls, on)
 
 
 def widened_bf16_panels() -> bool:
-    """Whether ``bf16_linear`` calls of 2 register tiles of rows or more widen each weight
+    """Whether ``bf16_linear`` runs of 2 register tiles of rows or more widen each weight
     panel to fp32 before the multiply-adds now (csrc/cpu/linear_kernel.h): on tiers without
     bf16 dot products (generic, avx2, avx512), by default on Intel CPUs only, where it was
     faster; on AMD (Zen 3) widening each weight in the loop was (csrc/cpu/cpu_isa.cpp)."""
@@ -184,15 +189,10 @@ def set_widened_panels(on: bool) -> bool:
     return bool(_native.set_widened_linears(on))
 
 
-@contextmanager
-def use_widened_panels(on: bool) -> Iterator[None]:
+def use_widened_panels(on: bool) -> AbstractContextManager[None]:
     """Runs the block with the widened bf16 kernel switched on or off, then restores the
     setting: how tests run both kernels on any CPU and benchmarks compare them."""
-    before = set_widened_panels(on)
-    try:
-        yield
-    finally:
-        set_widened_panels(before)
+    return _switched(set_widened_panels, on)
 
 
 def bf16_linear_available() -> bool:

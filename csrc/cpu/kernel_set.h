@@ -14,8 +14,8 @@ struct KernelSet {
   const AttentionKernels* attention;
   const LayerKernelSet* layers;
   const LinearKernels* linear;
-  // The bf16 linear with each panel widened to fp32 first (linear_kernel.h), for calls of 2
-  // row tiles or more where that pays (cpu_isa.h); nullptr on tiers with bf16 dot products.
+  // The bf16 linear with each panel widened to fp32 first (linear_kernel.h) for runs of 2 row
+  // tiles or more, where that pays (cpu_isa.h); nullptr on tiers with bf16 dot products.
   const LinearKernels* widened_linear;
 };
 
