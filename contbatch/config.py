@@ -206,8 +206,9 @@ def cpu_serves_bf16() -> bool:
     with AMX, whose bf16 linears of many rows run in AMX tiles (ops.amx_bf16_matmuls;
     Emerald Rapids: 844 against 313 for fp32), and on the avx2 tier where its bf16 linear
     widens each weight in the loop (AMD: ops.widened_bf16_panels() is off): with half the
-    bytes it runs the linears 1.4-2.5x faster than oneDNN's fp32 up to 32 rows and at 0.8x
-    from 64 (Zen 3, benchmarks/linear.py), and chat256 faster (165.8 against 146.9). On
+    bytes it runs the linears 1.4-2.5x faster than oneDNN's fp32 up to 16 rows and at
+    0.8-0.98x from 64 (Zen 3, benchmarks/linear.py, two sessions), and chat256 faster (165.8
+    against 146.9). On
     Intel CPUs without AMX bf16 still halves the bytes a decode step reads (1.3-1.7x faster
     steps with few requests running), but fp32 matmuls are faster at the many-request steps
     that dominate a large batch (Emerald Rapids without AMX: fp32 346 against 316 tok/s for

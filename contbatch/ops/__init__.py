@@ -77,7 +77,7 @@ CPU_ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
 def _choose_isa_from_environment() -> None:
     """Applies CONTBATCH_CPU_ISA, CONTBATCH_INT8_KERNEL and CONTBATCH_AMX once, at import: a tier or int8
     kernel this CPU lacks is refused here, before any model loads, not on the first op call.
-    The int8 kernel variable is how a benchmark runs, say, AVX2's vpmaddwd kernel on a CPU
+    The int8 kernel variable is how a benchmark runs, say, AVX2's vpmaddubsw kernel on a CPU
     that also has AVX-VNNI (an AVX2-only CPU's kernel on the machine at hand)."""
     isa = os.environ.get("CONTBATCH_CPU_ISA", "auto")
     int8_kernel = os.environ.get("CONTBATCH_INT8_KERNEL", "auto")
@@ -216,7 +216,7 @@ INT8_KERNELS = ("generic", "avx2", "avx_vnni", "avx512_vnni")
 def int8_kernel_isa() -> str | None:
     """Which int8 linear kernel runs now. By default it follows the active tier:
     "avx512_vnni" under either AVX-512 tier on a CPU with VNNI, else "avx_vnni" (256-bit
-    vpdpbusd, Intel's AVX2 client CPUs) where the CPU has it, else "avx2" (vpmaddwd), and
+    vpdpbusd, Intel's AVX2 client CPUs) where the CPU has it, else "avx2" (vpmaddubsw), and
     "generic" under the generic tier; None without the extension."""
     return None if _native is None else _native.int8_kernel_isa()
 

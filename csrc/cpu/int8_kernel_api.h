@@ -12,7 +12,7 @@
 //
 // The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
 // VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs; else AVX-VNNI
-// (the 256-bit vpdpbusd) where the CPU has it, else AVX2's vpmaddwd, under the AVX2 tier and
+// (the 256-bit vpdpbusd) where the CPU has it, else AVX2's vpmaddubsw, under the AVX2 tier and
 // on AVX-512 CPUs without VNNI; portable C++ under the generic tier. set_int8_kernel (ops.h)
 // overrides the choice for tests and benchmarks.
 #pragma once
@@ -29,13 +29,11 @@ inline bool int8_block_served(int64_t block_inputs) {
 }
 constexpr int64_t kInt8PanelColumns = 64;
 
-// Scratch one panel call needs: a 64-byte header (which panel the widened copy is of; the
-// driver zeroes it before a thread's first task of each call), and on tiers that widen
-// weights to int16 (AVX2) the panel widened.
+// Scratch one panel call needs: a 64-byte header the driver zeroes before a thread's first
+// task of each call (for a tier's copy of the panel: none keeps one now, since AVX2's
+// vpmaddwd kernel, which widened the panel to int16, gave way to vpmaddubsw on 2026-12-02).
 constexpr int64_t kInt8ScratchHeader = 64;
-inline int64_t int8_scratch_bytes(int64_t padded_inputs) {
-  return kInt8ScratchHeader + padded_inputs * kInt8PanelColumns * 2;
-}
+inline int64_t int8_scratch_bytes(int64_t /*padded_inputs*/) { return kInt8ScratchHeader; }
 
 template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
 struct Int8TypedKernels {
@@ -63,8 +61,8 @@ struct Int8TypedKernels {
 struct Int8Kernels {
   const char* name;
   // How the driver stages the inputs, once per call, before `panel` reads them: in
-  // input_bytes bytes each, 1 (as quantized), or 2 where the tier multiplies int16 (AVX2's
-  // vpmaddwd), sign-extended.
+  // input_bytes bytes each, 1 (as quantized), or 2 for a tier that multiplies int16,
+  // sign-extended (none does now).
   uint8_t input_bytes;
   int64_t tile_rows;  // rows of the panel kernel's register tile: the driver's unit of work (panel_runs.h)
   const Int8TypedKernels<float>* fp32;

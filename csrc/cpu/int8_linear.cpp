@@ -314,7 +314,7 @@ int64_t check_weight(const at::Tensor& out, const at::Tensor& values, const at::
 
 // Unless set_int8_kernel chose one: VNNI under either AVX-512 tier where the CPU has it;
 // else AVX-VNNI's 256-bit vpdpbusd where the CPU has it (Intel's AVX2 client CPUs), else
-// AVX2's vpmaddwd kernel, under any tier but the generic one; portable C++ under that.
+// AVX2's vpmaddubsw kernel, under any tier but the generic one; portable C++ under that.
 // Worked out once per tier, not on each call.
 const cpu::Int8Kernels& active_int8_kernels() {
   if (const cpu::Int8Kernels* forced = forced_int8_kernel.load(std::memory_order_relaxed)) return *forced;

@@ -3,10 +3,10 @@
 //   kI8InputBytes                         1, or 2 where the driver sign-extends them to int16
 //   I8Input i8_input(const int8_t*)       a row's quad (4 inputs as staged), as i8_dot takes it
 //   I8Acc i8_start(int32_t offset)        16 columns' int32 accumulators at a block's start:
-//                                         the row's offset for the block in each
+//                                         the row's offset for the block in each (AVX2's,
+//                                         which multiplies q itself, starts at zero)
 //   I8Weights i8_load(const uint8_t*)     16 columns x 4 stored weights (q + 128) of a quad
-//                                         row (and, on tiers that define CONTBATCH_I8_WIDENS,
-//                                         from int16 too)
+//                                         row
 //   i8_dot(I8Acc&, I8Weights, I8Input)    acc += the quad's dot product, per column
 //   Vec16 i8_finish(I8Acc)                the 16 columns' block sums as fp32
 //   Vec16 vload_f16(const uint16_t*)      16 fp16 scales
@@ -29,11 +29,6 @@
 // which cancels the weights' +128), each quad row of weights loaded once feeds every row of
 // the tile, the block's int32 sums become fp32 once (times the two scales), and the fp32
 // sums over blocks are rounded to the output type once.
-//
-// Tiers whose int8 products need int16 operands (CONTBATCH_I8_WIDENS: AVX2's vpmaddwd) widen
-// the whole panel to int16 once per call when it has kI8WidenFromRows rows or more, so the
-// inner loop is plain loads, multiply-adds and adds; fewer rows read the int8 panel, widening
-// as they go, since those calls are bound by reading the weights.
 
 static_assert(kI8InputBytes == 1 || kI8InputBytes == 2, "inputs are staged as int8 or int16");
 #define CONTBATCH_PRAGMA_TEXT(text) #text
@@ -74,8 +69,8 @@ inline void with_block_inputs(int64_t block_inputs, const F& f) {
   f(BlockInputs<kInt8Q8Block>{});
 }
 
-// out[MR, columns] for the column tile whose quad rows start at `values` (uint8, or widened
-// to int16), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
+// out[MR, columns] for the column tile whose quad rows start at `values` (the stored
+// bytes), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
 // 0, or how far on (in W) the weights of the panel read next lie, for a tile that reads this
 // panel from cache (not the run's first tile): it then prefetches those instead of its own.
@@ -145,7 +140,7 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // panel, the first reading it in address order and the others from cache while they prefetch
 // the next panel in memory (a thread's next call reads it: panel_runs.h); more, the tier's
 // tiles, which prefetch the next panel the same way where they read the packed weights
-// themselves (not AVX2's widened copy). Before, with 17-48 rows the first row tile waited on
+// themselves. Before, with 17-48 rows the first row tile waited on
 // DRAM while the others ran from cache with the memory idle: SmolLM2's 121 int8 projections
 // from DRAM took 17.4-17.8 ms at 32 rows against 11.2 with them in cache (Zen 4).
 template <int BLOCK, class T, class W>
@@ -160,37 +155,19 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, co
     }
   }
   int8_row_tiles_of<kI8TileRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                                        out_stride, columns, std::is_same_v<W, uint8_t> ? next_panel : 0);
+                                        out_stride, columns, next_panel);
 }
 
-// Scratch: the header (which panel `wide` holds), then the panel widened to int16, kept for
-// the thread's next task on the same panel.
+// No tier reads a copy of the panel now (AVX2's vpmaddwd kernel read one widened to int16
+// until 2026-12-02): `scratch` goes unused.
 template <class T>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
-  const auto row_tiles = [&](const auto* weights) {  // uint8, or widened to int16
-    with_block_inputs(block_inputs, [&](auto block) {
-      int8_row_tiles<decltype(block)::size>(x, x_stride, x_scales, x_offsets, rows, blocks, weights, scales, bias,
-                                            out, out_stride, columns);
-    });
-  };
-#ifdef CONTBATCH_I8_WIDENS
-  // int8_row_tiles prefetches the next panel of `values` from the panel-spanning tiles: they
-  // must read the panel itself, not its widened copy.
-  static_assert(kI8WholePanelRunRows < kI8WidenFromRows, "panel-spanning calls must not widen");
-  if (rows >= kI8WidenFromRows) {
-    char* bytes = static_cast<char*>(scratch);
-    auto** widened_panel = reinterpret_cast<const uint8_t**>(bytes);
-    auto* wide = reinterpret_cast<int16_t*>(bytes + kInt8ScratchHeader);
-    if (*widened_panel != values) {
-      for (int64_t i = 0; i < blocks * block_inputs * kInt8PanelColumns; ++i) wide[i] = values[i];
-      *widened_panel = values;
-    }
-    return row_tiles(static_cast<const int16_t*>(wide));
-  }
-#endif
-  row_tiles(values);
+  with_block_inputs(block_inputs, [&](auto block) {
+    int8_row_tiles<decltype(block)::size>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
+                                          out_stride, columns);
+  });
 }
 
 // 16 inputs from x[i], zero past `n` (< 16 only at a row's ragged end).

@@ -17,4 +17,6 @@ inline uint32_t i8_quad(const int8_t* x) {
 // two registers and copied it twice an iteration around the tied operand of vpdpbusd. On Zen 5
 // (2 threads, SmolLM2's projections at 256 rows) the AVX-512 VNNI kernel ran 1.27x faster
 // unrolled and the AVX-VNNI one 1.5x.
+#ifndef CONTBATCH_I8_QUAD_UNROLL
 #define CONTBATCH_I8_QUAD_UNROLL 16
+#endif

@@ -1,6 +1,6 @@
 """The int8 ops (csrc/cpu/int8_*) against the PyTorch reference (contbatch/ops/int8_blocks.py)
 on every int8 kernel this CPU runs (ops.use_int8_kernel: AVX-512 VNNI, AVX-VNNI, AVX2's
-vpmaddwd, portable C++; each with AMX off, and the VNNI kernel with AMX taking its calls of
+vpmaddubsw, portable C++; each with AMX off, and the VNNI kernel with AMX taking its calls of
 16 rows or more where the CPU has AMX-INT8), and the rule that picks one for each ISA tier:
 
 Each in both block sizes the kernels serve (32 inputs: a GGUF file's Q8_0; 64: what
@@ -47,7 +47,7 @@ def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Ten
     with use_int8_kernel(kernel):
         native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias)
     assert not out.isnan().any(), "an output element was never written"
-    # The op stages what its kernel reads (int16 copies on AVX2, the block offsets) beside its argument.
+    # The op stages what its kernel reads (the block offsets) beside its argument.
     assert torch.equal(x.values, inputs), "int8_linear changed its x_values"
     return out
 
@@ -90,6 +90,26 @@ def test_linear_integer_sums_are_exact(kernel, block, rows, out_features, blocks
     out = _linear(x, weight, None, torch.float32, kernel)
     expected = x_values.long() @ w_values.long().T
     assert torch.equal(out, expected.float())
+
+
+@pytest.mark.parametrize("kernel", int8_kernel_params())
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), out_features=st.integers(1, 130), seed=st.integers(0, 2**31 - 1))
+def test_linear_extreme_products_are_exact(kernel, block, rows, out_features, seed):
+    """Every product at the largest magnitude a kernel meets: inputs +-127 (as quantized) and
+    weights 127 or -128 (a GGUF file's Q8_0 may hold -128), signs at random, so neighbouring
+    products often share a sign: AVX2's vpmaddubsw adds pairs into saturating int16 lanes and
+    must not clip one. 1,024 inputs keep every sum (at most 1,024 x 127 x 128) below 2^24."""
+    g = torch.Generator().manual_seed(seed)
+    in_features = 1024
+    blocks = in_features // block
+    x_values = (torch.randint(0, 2, (rows, in_features), generator=g) * 254 - 127).to(torch.int8)
+    w_values = (torch.randint(0, 2, (out_features, in_features), generator=g) * 255 - 128).to(torch.int8)
+    x = Int8Blocks(x_values, torch.ones(rows, blocks), in_features)
+    weight = Int8Blocks(w_values, torch.ones(out_features, blocks, dtype=torch.float16), in_features)
+    out = _linear(x, weight, None, torch.float32, kernel)
+    assert torch.equal(out, (x_values.long() @ w_values.long().T).float())
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
