@@ -89,5 +89,5 @@ void amx_int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, co
 
 constexpr Int8TypedKernels<float> kAmxInt8Fp32{&amx_int8_panel<float>, nullptr, nullptr};
 constexpr Int8TypedKernels<uint16_t> kAmxInt8Bf16{&amx_int8_panel<uint16_t>, nullptr, nullptr};
-constexpr Int8Kernels kTierTable{"amx", 1, kAmxTileRows, &kAmxInt8Fp32, &kAmxInt8Bf16, &amx_int8_scratch_bytes,
+constexpr Int8Kernels kTierTable{"amx", kAmxTileRows, &kAmxInt8Fp32, &kAmxInt8Bf16, &amx_int8_scratch_bytes,
                                  kAmxInt8RunRows};

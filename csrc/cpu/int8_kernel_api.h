@@ -39,8 +39,7 @@ template <class T>  // T: float or uint16_t (bf16 bits), the activations' and ou
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
   // be nullptr) of `blocks` blocks of block_inputs inputs (int8_block_served), x's rows
-  // (x_stride bytes apart) staged by the driver beforehand as the table's input_bytes says
-  // (Int8Kernels), their offsets x_offsets ([rows][blocks]): the int32 dot product of each
+  // (x_stride bytes apart) as quantized (int8), their offsets x_offsets ([rows][blocks]): the int32 dot product of each
   // block plus its offset, times the row's and column's scales, summed over blocks in fp32
   // and rounded to T once, after the bias. `scratch` holds int8_scratch_bytes(blocks *
   // block_inputs), 64-byte aligned, private to the calling thread, its header zeroed by the
@@ -60,10 +59,6 @@ struct Int8TypedKernels {
 
 struct Int8Kernels {
   const char* name;
-  // How the driver stages the inputs, once per call, before `panel` reads them: in
-  // input_bytes bytes each, 1 (as quantized), or 2 for a tier that multiplies int16,
-  // sign-extended (none does now).
-  uint8_t input_bytes;
   int64_t tile_rows;  // rows of the panel kernel's register tile: the driver's unit of work (panel_runs.h)
   const Int8TypedKernels<float>* fp32;
   const Int8TypedKernels<uint16_t>* bf16;

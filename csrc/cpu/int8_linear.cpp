@@ -143,11 +143,11 @@ std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, con
   return {values, scales};
 }
 
-// A call's inputs as `kernels`' panels read them (Int8Kernels::input_bytes), with each row's
+// A call's inputs as the panels read them (int8, as quantized), with each row's
 // block scales and offsets ([rows][blocks]; an offset is -128 * the block's sum of values,
 // which cancels the +128 that the packed weights carry, q + 128, in the block's dot product).
 struct StagedInputs {
-  const int8_t* values;  // int8, or int16 where the tier multiplies int16
+  const int8_t* values;
   int64_t stride;        // bytes from one row of values to the next
   const float* scales;
   const int32_t* offsets;
@@ -173,37 +173,29 @@ char* staging_memory(int64_t bytes, at::Tensor& storage) {
 }
 
 // One call's staging memory: offsets, then scales and values for the rows the op quantizes
-// itself, then (tiers that read int16) the values widened.
+// itself.
 class Staging {
  public:
-  Staging(const cpu::Int8Kernels& kernels, int64_t rows, int64_t blocks, int64_t block_inputs, at::Tensor& storage)
+  Staging(int64_t rows, int64_t blocks, int64_t block_inputs, at::Tensor& storage)
       : blocks_(blocks), block_inputs_(block_inputs), row_inputs_(blocks * block_inputs) {
     const int64_t scales_at = aligned64(rows * blocks * 4), values_at = scales_at + aligned64(rows * blocks * 4);
-    const int64_t wide_at = values_at + aligned64(rows * row_inputs_);
-    const bool widens = kernels.input_bytes == 2;
-    char* memory = staging_memory(wide_at + (widens ? aligned64(rows * row_inputs_ * 2) : 0), storage);
+    char* memory = staging_memory(values_at + aligned64(rows * row_inputs_), storage);
     offsets_ = reinterpret_cast<int32_t*>(memory);
     scales = reinterpret_cast<float*>(memory + scales_at);
     values = reinterpret_cast<int8_t*>(memory + values_at);
-    wide_ = widens ? reinterpret_cast<int16_t*>(memory + wide_at) : nullptr;
   }
 
-  // Row r's offsets from its quantized values, and the values sign-extended where the tier
-  // reads int16.
+  // Row r's offsets from its quantized values.
   void stage_row(int64_t r, const int8_t* row_values) const {
     for (int64_t b = 0; b < blocks_; ++b) {
       int32_t sum = 0;
       for (int64_t k = 0; k < block_inputs_; ++k) sum += row_values[b * block_inputs_ + k];
       offsets_[r * blocks_ + b] = -128 * sum;
     }
-    if (wide_ != nullptr) {
-      for (int64_t i = 0; i < row_inputs_; ++i) wide_[r * row_inputs_ + i] = row_values[i];
-    }
   }
 
   // The staged call over quantized rows at x_values (row_inputs apart) with their x_scales.
   StagedInputs inputs(const int8_t* x_values, const float* x_scales) const {
-    if (wide_ != nullptr) return {reinterpret_cast<const int8_t*>(wide_), row_inputs_ * 2, x_scales, offsets_};
     return {x_values, row_inputs_, x_scales, offsets_};
   }
 
@@ -213,7 +205,6 @@ class Staging {
  private:
   int64_t blocks_, block_inputs_, row_inputs_;
   int32_t* offsets_;
-  int16_t* wide_;
 };
 
 // The fused op's staging: input's rows quantized in blocks of block_inputs, then staged.
@@ -221,17 +212,17 @@ template <class T>
 StagedInputs quantize_and_stage(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs,
                                 at::Tensor& storage) {
   const int64_t rows = input.size(0), blocks = (input.size(1) + block_inputs - 1) / block_inputs;
-  const Staging staging(kernels, rows, blocks, block_inputs, storage);
+  const Staging staging(rows, blocks, block_inputs, storage);
   quantize_rows<T>(kernels, input, block_inputs, staging.values, staging.scales,
                    [&](int64_t r) { staging.stage_row(r, staging.values + r * blocks * block_inputs); });
   return staging.inputs(staging.values, staging.scales);
 }
 
 // int8_linear's staging: x_values and x_scales as given (quantized in the weight's blocks).
-StagedInputs stage(const cpu::Int8Kernels& kernels, const at::Tensor& x_values, const at::Tensor& x_scales,
-                   int64_t block_inputs, at::Tensor& storage) {
+StagedInputs stage(const at::Tensor& x_values, const at::Tensor& x_scales, int64_t block_inputs,
+                   at::Tensor& storage) {
   const int64_t rows = x_values.size(0), row_inputs = x_values.size(1);
-  const Staging staging(kernels, rows, row_inputs / block_inputs, block_inputs, storage);
+  const Staging staging(rows, row_inputs / block_inputs, block_inputs, storage);
   const auto* values = x_values.data_ptr<int8_t>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) staging.stage_row(r, values + r * row_inputs);
@@ -340,7 +331,7 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
   if (rows == 0 || out.size(1) == 0) return;
   const cpu::Int8Kernels& kernels = active_int8_kernels();
   at::Tensor storage;
-  run_panels_typed(kernels, out, stage(kernels, x_values, x_scales, block_inputs, storage), values, block_inputs,
+  run_panels_typed(kernels, out, stage(x_values, x_scales, block_inputs, storage), values, block_inputs,
                    scales, bias);
 }
 

@@ -1,6 +1,5 @@
 // The int8 linear kernel over block-quantized panels (layouts: int8_kernel_api.h), written
 // once against the tier's Vec16 functions and its int8 section (simd_int8_*.h):
-//   kI8InputBytes                         1, or 2 where the driver sign-extends them to int16
 //   I8Input i8_input(const int8_t*)       a row's quad (4 inputs as staged), as i8_dot takes it
 //   I8Acc i8_start(int32_t offset)        16 columns' int32 accumulators at a block's start:
 //                                         the row's offset for the block in each (AVX2's,
@@ -30,7 +29,6 @@
 // the tile, the block's int32 sums become fp32 once (times the two scales), and the fp32
 // sums over blocks are rounded to the output type once.
 
-static_assert(kI8InputBytes == 1 || kI8InputBytes == 2, "inputs are staged as int8 or int16");
 #define CONTBATCH_PRAGMA_TEXT(text) #text
 #define CONTBATCH_UNROLL(n) _Pragma(CONTBATCH_PRAGMA_TEXT(GCC unroll n))
 constexpr int kI8TileColumns = kI8TileVectors * kLanes;
@@ -53,7 +51,7 @@ constexpr int i8_group_vectors() {
   return MR <= kI8WholePanelRows ? kI8WholePanelGroup : kI8TileVectors;
 }
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
-constexpr int64_t kInputQuadBytes = 4 * kI8InputBytes;
+constexpr int64_t kInputQuadBytes = 4;  // a quad of int8 inputs
 template <int BLOCK>
 constexpr int64_t kBlockQuads = BLOCK / 4;
 
@@ -230,5 +228,5 @@ constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_r
                                             &int8_quantize_kv_row<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
                                                &int8_quantize_kv_row<uint16_t>};
-constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8InputBytes,        kI8TileRows, &kInt8Fp32,
+constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8TileRows, &kInt8Fp32,
                                  &kInt8Bf16,          &int8_scratch_bytes, kVectorRunRows};

@@ -5,7 +5,6 @@
 // input sum), which takes the +128 out.
 #pragma once
 
-constexpr int kI8InputBytes = 1;  // each input one byte, as quantized
 
 // A row's quad at x: 4 signed bytes.
 inline uint32_t i8_quad(const int8_t* x) {

@@ -3,7 +3,6 @@
 // Included after simd_generic.h.
 #pragma once
 
-constexpr int kI8InputBytes = 1;
 using I8Input = uint32_t;  // the row's 4 int8 inputs
 struct I8Acc {
   int32_t columns[16];
