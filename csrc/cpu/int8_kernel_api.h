@@ -39,11 +39,11 @@ template <class T>  // T: float or uint16_t (bf16 bits), the activations' and ou
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
   // be nullptr) of `blocks` blocks of block_inputs inputs (int8_block_served), x's rows
-  // (x_stride bytes apart) as quantized (int8), their offsets x_offsets ([rows][blocks]): the int32 dot product of each
-  // block plus its offset, times the row's and column's scales, summed over blocks in fp32
-  // and rounded to T once, after the bias. `scratch` holds int8_scratch_bytes(blocks *
-  // block_inputs), 64-byte aligned, private to the calling thread, its header zeroed by the
-  // driver before the thread's first task of the call.
+  // (x_stride bytes apart) as quantized (int8), their offsets x_offsets ([rows][blocks]):
+  // the int32 dot product of each block plus its offset, times the row's and column's
+  // scales, summed over blocks in fp32 and rounded to T once, after the bias. `scratch`
+  // holds int8_scratch_bytes(blocks * block_inputs), 64-byte aligned, private to the calling
+  // thread, its header zeroed by the driver before the thread's first task of the call.
   void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, void* scratch);

@@ -70,11 +70,11 @@ inline void with_block_inputs(int64_t block_inputs, const F& f) {
 // out[MR, columns] for the column tile whose quad rows start at `values` (the stored
 // bytes), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
-// 0, or how far on (in W) the weights of the panel read next lie, for a tile that reads this
-// panel from cache (not the run's first tile): it then prefetches those instead of its own.
-template <int MR, int BLOCK, class T, class W>
+// 0, or how many bytes on the weights of the panel read next lie, for a tile that reads
+// this panel from cache (not the run's first tile): it then prefetches those instead of its own.
+template <int MR, int BLOCK, class T>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
-                      int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
+                      int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   constexpr int NV = i8_tile_vectors<MR>();
   Vec16 acc[MR][NV];
@@ -92,7 +92,7 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
       }
       CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
       for (int q = 0; q < kBlockQuads<BLOCK>; ++q) {
-        const W* quad_row = values + (b * kBlockQuads<BLOCK> + q) * kQuadRowBytes + 4 * kLanes * g;
+        const uint8_t* quad_row = values + (b * kBlockQuads<BLOCK> + q) * kQuadRowBytes + 4 * kLanes * g;
         I8Weights w[G];
         for (int v = 0; v < G; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
         for (int v = 0; v < G; ++v) {
@@ -120,9 +120,9 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
 }
 
 // later_panel: int8_tile's, for every row tile but the first.
-template <int kTileRows, int BLOCK, class T, class W>
+template <int kTileRows, int BLOCK, class T>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
-                       int64_t rows, int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
+                       int64_t rows, int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                        int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
@@ -141,11 +141,11 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // themselves. Before, with 17-48 rows the first row tile waited on
 // DRAM while the others ran from cache with the memory idle: SmolLM2's 121 int8 projections
 // from DRAM took 17.4-17.8 ms at 32 rows against 11.2 with them in cache (Zen 4).
-template <int BLOCK, class T, class W>
+template <int BLOCK, class T>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
-                    int64_t blocks, const W* values, const uint16_t* scales, const T* bias, T* out,
+                    int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
-  const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes: the uint8 panels as packed
+  const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
       return int8_row_tiles_of<kI8WholePanelRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values,
