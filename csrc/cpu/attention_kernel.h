@@ -300,6 +300,8 @@ constexpr int64_t kLoadAheadBytes = 48 * 1024;
 // software prefetches ahead (2 to 12 visits, or whole blocks up to 4 ahead) or with none at
 // all; a plain loop over the same blocks read 40-75 GB/s, and with this window of independent
 // loads the kernel read 30-38 (docs/design/experiments.md).
+// A tier whose kernel over widened rows is bound by its arithmetic skips it for those
+// (kLoadAheadOfWidenedRows: AVX2).
 template <class T, int D>
 struct BlockLoader {
   const char* k_base;  // kv head item.kv_head of block 0
@@ -343,14 +345,15 @@ struct BlockLoader {
 };
 
 // chunk(visit) for each chunk of keys the item visits, in order, with `visit` located on it
-// (its head, start and length; its rows still to be read) and the blocks past it loaded ahead.
-template <class C, int D, class Chunk>
+// (its head, start and length; its rows still to be read) and, with kLoadAhead, the blocks
+// past it loaded ahead.
+template <class C, int D, bool kLoadAhead, class Chunk>
 inline void for_each_visit(const AttentionArgs& args, const WorkItem& item, const Chunk& chunk) {
   VisitRows<C, D> visit(args, item);
   BlockLoader<C, D> loader(visit);
   for (int p = 0; p < visit.order.size(); ++p) {
     visit.locate(p);
-    loader.keep_ahead_of(visit.start / args.block_size);
+    if constexpr (kLoadAhead) loader.keep_ahead_of(visit.start / args.block_size);
     chunk(visit);
   }
 }
@@ -512,7 +515,7 @@ void attend_item_by_lanes(const AttentionArgs& args, const WorkItem& item, float
     load_row_lanes(lanes[g], rows[g]);
   }
   const Vec16 scale_log2 = vset1(args.scale * kLog2e);
-  for_each_visit<uint16_t, 16 * NC>(args, item, [&](VisitRows<uint16_t, 16 * NC>& visit) {
+  for_each_visit<uint16_t, 16 * NC, true>(args, item, [&](VisitRows<uint16_t, 16 * NC>& visit) {
     const uint16_t* k_rows[kChunk];
     const uint16_t* v_rows[kChunk];
     visit.rows(k_rows, v_rows);
@@ -547,7 +550,8 @@ void attend_item(const AttentionArgs& args, const WorkItem& item, float* partial
   const W* k_rows[kChunk];
   const W* v_rows[kChunk];
   [[maybe_unused]] std::conditional_t<kWidened, WidenedRows<W, 16 * NC>, NoWidenedRows> widened;
-  for_each_visit<C, 16 * NC>(args, item, [&](VisitRows<C, 16 * NC>& visit) {
+  constexpr bool kLoadAhead = !kWidened || kLoadAheadOfWidenedRows;
+  for_each_visit<C, 16 * NC, kLoadAhead>(args, item, [&](VisitRows<C, 16 * NC>& visit) {
     Vec16 key_scale_log2 = scale_log2;
     const float* value_scales = nullptr;
     if constexpr (kWidened) {

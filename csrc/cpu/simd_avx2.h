@@ -17,6 +17,12 @@ constexpr int kVectorRegisters = 8;
 // K/V widened once a visit (attention_kernel.h, kWidenBf16Rows): always here. Widening in every
 // product cost a 4,096-token prefill's attention 1.4-1.5x and decode 5-8% (Zen 5, AVX2 tier).
 constexpr int kWidenBf16FromRows = 1;
+// Whether an item over widened rows (a bf16 or int8 cache) loads its blocks ahead of its visits
+// (attention_kernel.h, BlockLoader): not here. On Zen 3 (2026-12-03) decode over those caches
+// is bound by its arithmetic (a bf16 cache read from L3 streamed 16-20 GB/s, not much above
+// DRAM's 11-17), and the loads ahead cost more than they hid: without them bf16 decode took
+// 0.82-0.93x the time, the int8 cache's 0.83-0.97x; fp32 caches keep them (1.3x faster).
+constexpr bool kLoadAheadOfWidenedRows = false;
 
 inline __m256 bf16x8_to_float(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -80,6 +80,10 @@ inline Vec16 vsum_transpose(Vec16 v[16]) {
 
 constexpr int kLanes = 16;
 constexpr int kVectorRegisters = 32;
+// Whether an item over widened rows (a bf16 or int8 cache) loads its blocks ahead
+// (attention_kernel.h, BlockLoader): yes, as measured on Zen 5 (simd_avx2.h says why AVX2
+// does not).
+constexpr bool kLoadAheadOfWidenedRows = true;
 
 // Lane t: dot(q, k_rows[t]) over 16 * NC elements, for 16 key rows; bf16 widened to fp32
 // (the AVX512_BF16 tier overloads this for bf16 below).

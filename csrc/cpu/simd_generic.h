@@ -111,6 +111,9 @@ constexpr int kVectorRegisters = 32;
 // Attention rows from which a bf16 query's work item runs on fp32 rows (attention_kernel.h,
 // kWidenBf16Rows): always, as on AVX2 (not measured on this tier: its widening is scalar code).
 constexpr int kWidenBf16FromRows = 1;
+// Whether an item over widened rows loads its blocks ahead (attention_kernel.h, BlockLoader):
+// yes (not measured on this tier).
+constexpr bool kLoadAheadOfWidenedRows = true;
 
 // 6 rows x 64 columns per linear tile (linear_kernel.h).
 constexpr int kLinearTileRows = 6;
