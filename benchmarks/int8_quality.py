@@ -31,9 +31,10 @@ import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from contbatch import LLM, SamplingParams  # noqa: E402
+from contbatch import LLM, SamplingParams, ops  # noqa: E402
 from contbatch.demo_model import demo_model_dir  # noqa: E402
 from contbatch.integrations.lm_eval import ContbatchLM  # noqa: E402
+from contbatch.ops.int8_blocks import QMAX  # noqa: E402
 
 from _machine import cpu_description, cpu_kind  # noqa: E402
 from _report import markdown_table, replace_marked  # noqa: E402
@@ -103,7 +104,9 @@ def quantized_label(args: argparse.Namespace) -> str:
     head = "int8" if args.quantize_lm_head else args.dtype
     parts = []
     if args.weights == "int8":
-        parts.append(f"int8 weights (activations int8 per token, LM head {head}, the rest {args.dtype})")
+        qmax = ops.int8_weight_qmax()  # as LLM(quantization="int8") quantizes for the kernel that runs
+        narrow = "" if qmax == QMAX else f", the layers but the LM head within \\|q\\| <= {qmax}"
+        parts.append(f"int8 weights (activations int8 per token, LM head {head}{narrow}, the rest {args.dtype})")
     else:
         parts.append(f"{args.dtype} weights")
     if args.kv_cache_dtype == "int8":

@@ -35,7 +35,7 @@ from contbatch.layers.linear import (
     packed_linear,
     panel_packed,
 )
-from contbatch.ops.int8_blocks import quantize_weight
+from contbatch.ops.int8_blocks import NARROW_QMAX, QMAX, quantize_weight
 
 from _report import replace_marked
 from _machine import cpu_description, cpu_kind
@@ -60,8 +60,10 @@ def packed_bytes(packed: PackedWeight) -> int:
     return tensor_bytes((data.values, data.scales) if packed.layout == "int8" else (data,))
 
 
-def int8_weight(weight: torch.Tensor, block: int) -> PackedWeight:
-    return int8_packed(quantize_weight(weight.float(), block))
+def int8_weight(weight: torch.Tensor, block: int, qmax: int) -> PackedWeight:
+    """As LLM(quantization="int8") quantizes it: to |q| <= qmax, but the LM head to 127."""
+    qmax = QMAX if weight.shape[0] == VOCAB else qmax
+    return int8_packed(quantize_weight(weight.float(), block, qmax), narrow=qmax == NARROW_QMAX)
 
 
 def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], PackedWeight]):
@@ -120,8 +122,10 @@ def markdown(results: dict[str, dict[int, float]], step_bytes: dict[str, int], p
              int8_kernel: str | None, int8_block: int | None, copies: int) -> str:
     names = list(results)
     copies_note = f" ({copies} copies of them, run one after another, times per copy)" if copies > 1 else ""
-    int8_note = (f" `int8`: the same weights in 8-bit blocks of {int8_block} inputs ({step_bytes['int8'] / 1e6:.0f} MB with their "
-                 f"scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
+    narrow = " (all but the LM head narrow: \\|q\\| <= 64)" if int8_kernel in ops.INT8_NARROW_WEIGHT_KERNELS else ""
+    int8_note = (f" `int8`: the same weights in 8-bit blocks of {int8_block} inputs{narrow} "
+                 f"({step_bytes['int8'] / 1e6:.0f} MB "
+                 f"with their scales) on the `{int8_kernel}` int8 kernel." if int8_kernel else "")
     amx_note = (" `panels`: `bf16_linear` as the engine calls it, calls of 5 rows or more on the AMX kernel; "
                 "`vector`: the same with AMX switched off." if "vector" in results else "")
     widening_note = {"widened": " `panels` widens each weight in the loop (this CPU's default); `widened`: the "
@@ -190,8 +194,8 @@ def main() -> None:
         steps["fp32"] = fp32_step(weights)
     if args.int8:
         with ops.use_int8_kernel(args.int8_kernel):  # the blocks LLM(quantization="int8") takes with that kernel
-            block = ops.int8_weight_block()
-        steps["int8"] = packed_step(weights, lambda weight: int8_weight(weight, block))
+            block, qmax = ops.int8_weight_block(), ops.int8_weight_qmax()
+        steps["int8"] = packed_step(weights, lambda weight: int8_weight(weight, block, qmax))
     copy_gbs = copy_bandwidth()
     results: dict[str, dict[int, float]] = {name: {} for name in steps}
     with ops.use_int8_kernel(args.int8_kernel) if args.int8 else contextlib.nullcontext():

@@ -22,11 +22,10 @@ import torch
 
 from contbatch import ops
 from contbatch.layers import huge_pages
-from contbatch.layers.linear import PackedWeight, int8_packed, packed_linear, panel_packed
-from contbatch.ops.int8_blocks import quantize_weight
+from contbatch.layers.linear import PackedWeight, packed_linear, panel_packed
 
 from _machine import cpu_description
-from linear import packed_bytes
+from linear import int8_weight, packed_bytes
 from _roofline import copy_bandwidth
 
 WIDTHS = (64, 128, 256, 512, 1024, 2048)
@@ -34,8 +33,9 @@ MEMORY_BYTES = 400e6  # bf16 weight bytes per width, far beyond an L3
 CACHED_CALLS = 2000
 
 
-def layouts(weight: torch.Tensor, block: int) -> dict[str, PackedWeight]:
-    return {"bf16 panels": panel_packed(weight.bfloat16()), "int8": int8_packed(quantize_weight(weight, block))}
+def layouts(weight: torch.Tensor, block: int, qmax: int) -> dict[str, PackedWeight]:
+    """The weight as the bf16 panels and as LLM(quantization="int8") keeps a projection."""
+    return {"bf16 panels": panel_packed(weight.bfloat16()), "int8": int8_weight(weight, block, qmax)}
 
 
 def call_seconds(x: torch.Tensor, weights: list[PackedWeight]) -> float:
@@ -58,11 +58,11 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    block = ops.int8_weight_block()
+    block, qmax = ops.int8_weight_block(), ops.int8_weight_qmax()
     copies: dict[int, dict[str, list[PackedWeight]]] = {}
     for width in WIDTHS:
         count = max(1, int(MEMORY_BYTES / (width * args.in_features * 2)))
-        packed = [layouts(torch.randn(width, args.in_features) * 0.02, block) for _ in range(count)]
+        packed = [layouts(torch.randn(width, args.in_features) * 0.02, block, qmax) for _ in range(count)]
         copies[width] = {name: [p[name] for p in packed] for name in packed[0]}
         if args.huge_pages:
             for weights in copies[width].values():

@@ -33,15 +33,18 @@ class Quantization:
     lm_head: bool
     embeddings: bool
     block: int  # inputs a block of the weights it quantizes (ops.int8_weight_block)
+    qmax: int = 127  # the largest |q| of the linear layers but the LM head (ops.int8_weight_qmax)
 
     def describe(self) -> str:
-        """As a job's settings file records it: the block size is named, so that a job begun
-        with 32-input blocks (before 2026-11-27, or on another int8 kernel) does not resume
-        with 64 unawares."""
+        """As a job's settings file records it: the block size and narrow weights are named,
+        so that a job begun with 32-input blocks (before 2026-11-27, or on another int8
+        kernel) does not resume with 64 unawares, nor one begun with all 8 bits (before
+        2026-12-03, or on another kernel) with narrow weights."""
         def kind(quantized: bool) -> str:
             return self.method if quantized else "dense"
 
-        return (f"{self.method} in {self.block}-input blocks, LM head {kind(self.lm_head)}, "
+        narrow = "" if self.qmax == 127 else f", the layers but the LM head within +-{self.qmax}"
+        return (f"{self.method} in {self.block}-input blocks{narrow}, LM head {kind(self.lm_head)}, "
                 f"embeddings {kind(self.embeddings)}")
 
 
@@ -66,7 +69,8 @@ class EngineConfig:
         quantization: None (weights in the model dtype) or "int8": linear layers' weights in
             8-bit blocks by llama.cpp's Q8_0 rule, 64 inputs a block on the avx512_vnni int8
             kernel and 32 elsewhere (ops.int8_weight_block), activations quantized per token
-            in the same blocks (contbatch/ops/int8_blocks.py). CPU only.
+            in the same blocks (contbatch/ops/int8_blocks.py); on the avx2 int8 kernel the
+            layers but the LM head within +-64 (ops.int8_weight_qmax). CPU only.
         quantize_lm_head: with quantization, quantize the LM head too.
         quantize_embeddings: with quantization, keep the embedding table in 8-bit blocks too
             (rows dequantized on lookup); a tied LM head then shares that one int8 copy.
@@ -143,7 +147,8 @@ class EngineConfig:
     def quantization_spec(self) -> Quantization | None:
         if self.quantization is None:
             return None
-        return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings, ops.int8_weight_block())
+        return Quantization(self.quantization, self.quantize_lm_head, self.quantize_embeddings, ops.int8_weight_block(),
+                            ops.int8_weight_qmax())
 
 
 def resolve_device(device: str | torch.device, cpu_only: str | None = None) -> torch.device:

@@ -42,13 +42,15 @@ void bf16_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
 // fp32/bf16 rows (blocks of `block` inputs: 32 or 64), and the linear layer over a
 // block-quantized, panel-packed weight (its activations quantized in its blocks).
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& input, int64_t block);
+// weight_offset: what the stored weights add to q, 128 or 64 (narrow weights, |q| <= 64).
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
                      const at::Tensor& values, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias);
+                     const std::optional<at::Tensor>& bias, int64_t weight_offset);
 // Both in one call: a decode step's 121 linear layers each save an op dispatch and two
 // tensor allocations in Python (int8_linear's inputs are those of int8_quantize_rows).
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
-                              const at::Tensor& scales, const std::optional<at::Tensor>& bias);
+                              const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                              int64_t weight_offset);
 // Which int8 kernel runs now ("generic", "avx2", "avx_vnni" or "avx512_vnni").
 std::string int8_kernel_isa();
 // Runs int8 kernel `name` from now on, whatever the tier ("auto" or "": chosen by the tier),

@@ -26,10 +26,10 @@ TORCH_LIBRARY(contbatch, m) {
   m.def("int8_quantize_rows(Tensor input, int block) -> (Tensor, Tensor)");
   m.def(
       "int8_linear(Tensor(a!) out, Tensor x_values, Tensor x_scales, Tensor values, Tensor scales, "
-      "Tensor? bias) -> ()");
+      "Tensor? bias, int weight_offset=128) -> ()");
   m.def(
-      "int8_quantize_linear(Tensor(a!) out, Tensor input, Tensor values, Tensor scales, Tensor? bias) "
-      "-> ()");
+      "int8_quantize_linear(Tensor(a!) out, Tensor input, Tensor values, Tensor scales, Tensor? bias, "
+      "int weight_offset=128) -> ()");
   m.def("int8_kernel_isa() -> str", &contbatch::int8_kernel_isa);
   m.def("set_int8_kernel(str name) -> str", &contbatch::set_int8_kernel);
   m.def("supported_int8_kernels() -> str[]", &contbatch::supported_int8_kernels);

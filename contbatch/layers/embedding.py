@@ -8,7 +8,7 @@ column of a panel) and dequantizes it into the model's dtype.
 import torch
 from torch import nn
 
-from contbatch.ops.int8_blocks import PANEL_COLUMNS, WEIGHT_OFFSET, PackedInt8
+from contbatch.ops.int8_blocks import PANEL_COLUMNS, PackedInt8
 
 
 class Int8Embedding(nn.Module):
@@ -21,9 +21,9 @@ class Int8Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         panel, column = ids // PANEL_COLUMNS, ids % PANEL_COLUMNS
-        stored = self.packed.values[panel, :, :, column, :]  # [tokens, blocks, quads, 4], q + 128
+        stored = self.packed.values[panel, :, :, column, :]  # [tokens, blocks, quads, 4], q + offset
         scales = self.packed.scales[panel, :, column]  # [tokens, blocks]
-        values = stored.reshape(len(ids), -1, self.packed.block).to(torch.float32) - WEIGHT_OFFSET
+        values = stored.reshape(len(ids), -1, self.packed.block).to(torch.float32) - self.packed.offset
         rows = values * scales.to(torch.float32).unsqueeze(-1)
         hidden = rows.reshape(len(ids), -1)[:, : self.embedding_dim].to(self.dtype)
         return hidden.view(*input_ids.shape, self.embedding_dim)

@@ -26,6 +26,7 @@ vector kernel, from one copy of the weight.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,11 @@ from torch import nn
 
 from contbatch import ops
 from contbatch.lora.layers import LinearLoRA
-from contbatch.ops.int8_blocks import Q8_0_BLOCK, Int8Blocks, PackedInt8, pack_int8, quantize_weight
+from contbatch.ops.int8_blocks import NARROW_QMAX, QMAX, Q8_0_BLOCK, Int8Blocks, PackedInt8, pack_int8, quantize_weight
 from contbatch.ops.panel_layout import pack_panels
+
+if TYPE_CHECKING:
+    from contbatch.config import Quantization
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -79,9 +83,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
-def int8_packed(weight: Int8Blocks) -> PackedWeight:
-    """A weight in 8-bit blocks, in the int8 kernel's layout."""
-    return PackedWeight(pack_int8(weight), "int8", weight.values.shape[0])
+def int8_packed(weight: Int8Blocks, narrow: bool = False) -> PackedWeight:
+    """A weight in 8-bit blocks, in the int8 kernel's layout (``narrow``: pack_int8's)."""
+    return PackedWeight(pack_int8(weight, narrow), "int8", weight.values.shape[0])
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,7 +105,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype, device=x.device)
     if packed.layout == "int8":
         weight = packed.data
-        ops.int8_quantize_linear(out, rows, weight.values, weight.scales, bias)
+        ops.int8_quantize_linear(out, rows, weight.values, weight.scales, bias, weight.offset)
     else:
         ops.bf16_linear(out, rows, packed.data, bias)
     return out if flat else out.view(*x.shape[:-1], packed.out_features)
@@ -124,18 +128,18 @@ class Linear(nn.Linear):
         self._replace_weight(packed)
         return True
 
-    def quantize_int8(self, blocks: Int8Blocks | None = None, block: int = Q8_0_BLOCK) -> None:
+    def quantize_int8(self, blocks: Int8Blocks | None = None, block: int = Q8_0_BLOCK, qmax: int = QMAX) -> None:
         """Runs on 8-bit weights from now on: ``blocks`` as given (a GGUF file's Q8_0
         tensor), or this layer's weight quantized by Q8_0's rule in blocks of ``block``
-        inputs (ops/int8_blocks.py)."""
+        inputs to |q| <= qmax (ops/int8_blocks.py)."""
         if self.packed_weight is not None:
             raise RuntimeError("quantize_int8: the weight is packed already")
         if blocks is None:
-            blocks = quantize_weight(self.weight, block)
+            blocks = quantize_weight(self.weight, block, qmax)
         expected = (self.out_features, self.in_features)
         if (blocks.values.shape[0], blocks.in_features) != expected:
             raise ValueError(f"int8 weight is [{blocks.values.shape[0]}, {blocks.in_features}], layer needs {list(expected)}")
-        self._replace_weight(int8_packed(blocks))
+        self._replace_weight(int8_packed(blocks, narrow=qmax == NARROW_QMAX))
 
     def _replace_weight(self, packed: PackedWeight) -> None:
         self.packed_weight = packed
@@ -152,13 +156,14 @@ class Linear(nn.Linear):
         return out
 
 
-def quantize_linears(model: nn.Module, block: int, keep_dense: tuple[nn.Module | None, ...] = ()) -> int:
-    """Quantize every ``Linear`` of a loaded model to int8 in blocks of ``block`` inputs except
-    those in ``keep_dense`` and those packed already (a GGUF file's Q8_0 layers); returns how
-    many were quantized."""
-    chosen = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None and m not in keep_dense]
+def quantize_linears(model: nn.Module, quantization: "Quantization", head: nn.Module | None) -> int:
+    """Quantize every ``Linear`` of a loaded model to int8 as ``quantization`` says (its
+    block, its qmax but the LM head ``head``'s, Q8_0's 127; the head only if it says so)
+    except those packed already (a GGUF file's Q8_0 layers); returns how many were quantized."""
+    skipped = () if quantization.lm_head else (head,)
+    chosen = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None and m not in skipped]
     for module in chosen:
-        module.quantize_int8(block=block)
+        module.quantize_int8(block=quantization.block, qmax=QMAX if module is head else quantization.qmax)
     return len(chosen)
 
 

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         table already in 8-bit blocks (a GGUF file's Q8_0 ``token_embd``), used as they are
         wherever the table is needed in int8; without ``quantization`` a tied head takes them."""
         if quantization is not None:
-            quantize_linears(self, quantization.block, keep_dense=() if quantization.lm_head else (self.lm_head,))
+            quantize_linears(self, quantization, head=self.lm_head)
         pack_linears(self)
         embedding = self.embed_tokens.weight
         tied = self.lm_head is None

@@ -24,6 +24,7 @@ from contbatch.layers.activation import silu_and_mul
 from contbatch.layers.attention import AttentionMetadata, KVCache
 from contbatch.layers.linear import Linear
 from contbatch.layers.norm import RMSNorm
+from contbatch.ops.int8_blocks import WEIGHT_OFFSET
 
 _LAYOUTS = ("panels", "int8", "onednn")
 
@@ -75,9 +76,11 @@ def _native_linear(linear: Linear) -> torch.ScriptObject:
     packed = linear.packed_weight
     scales = None
     data = packed.data
+    weight_offset = WEIGHT_OFFSET  # read by the int8 layout only
     if packed.layout == "int8":
-        data, scales = packed.data.values, packed.data.scales
-    return torch.classes.contbatch.PackedLinear(packed.layout, data, scales, linear.bias, packed.out_features)
+        data, scales, weight_offset = packed.data.values, packed.data.scales, packed.data.offset
+    return torch.classes.contbatch.PackedLinear(packed.layout, data, scales, linear.bias, packed.out_features,
+                                                weight_offset)
 
 
 class NativeDecoder:

@@ -125,8 +125,7 @@ def _pack_linear_layers(model: nn.Module, quantization: Quantization | None) -> 
                 linear.weight, linear.bias = child.weight, child.bias
                 setattr(parent, name, linear)
     if quantization is not None:
-        quantize_linears(model, quantization.block,
-                         keep_dense=() if quantization.lm_head else (model.get_output_embeddings(),))
+        quantize_linears(model, quantization, head=model.get_output_embeddings())
     pack_linears(model)
     if quantization is not None and quantization.embeddings:
         table = model.get_input_embeddings().weight

@@ -24,6 +24,15 @@ the instruction, while the offset costs one correction per row and block, -128 t
 block's activation sum, computed once per call (instead of one per column, block and
 call from a stored sum of each weight block). Beside the values, per panel, block and
 column: the fp16 scale.
+
+Narrow weights, quantized to |q| <= 64 (``quantize_weight(qmax=NARROW_QMAX)``), are stored
+as q + 64 instead, in [0, 128], their offsets -64 times the sums: AVX2's ``vpmaddubsw``
+multiplies such bytes by 8-bit activations as they are, without ``vpsignb``, and a pair of
+products cannot saturate its int16 (csrc/cpu/simd_int8_avx2.h). ``LLM(quantization="int8")``
+quantizes every linear layer but the LM head narrow where that kernel runs
+(``contbatch.ops.int8_weight_qmax``): 0.83x the time of its projections at 256 rows, at the
+price of perplexity +0.77% against bf16 rather than +0.66% (Zen 3; docs/performance.md,
+"Narrow weights on AVX2"); the LM head narrow too cost +1.19%.
 """
 
 from dataclasses import dataclass
@@ -38,6 +47,8 @@ QUAD = 4
 PANEL_COLUMNS = 64
 QMAX = 127  # values lie in [-127, 127]: symmetric, so -q never overflows
 WEIGHT_OFFSET = 128  # packed weights are stored as q + 128 (module docstring)
+NARROW_QMAX = 64  # narrow weights: |q| <= 64, ...
+NARROW_OFFSET = 64  # ... stored as q + 64, in [0, 128] (module docstring)
 
 
 @dataclass(frozen=True)
@@ -74,13 +85,16 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(rows, -1, block)
 
 
-def quantize_weight(weight: torch.Tensor, block: int = Q8_0_BLOCK) -> Int8Blocks:
+def quantize_weight(weight: torch.Tensor, block: int = Q8_0_BLOCK, qmax: int = QMAX) -> Int8Blocks:
     """Q8_0's rule in blocks of ``block`` inputs for ``weight`` [out_features, in_features]:
-    per block, scale = max|w| / 127 rounded to fp16, values = round-half-even(w / scale)."""
+    per block, scale = max|w| / qmax rounded to fp16, values = round-half-even(w / scale).
+    qmax: 127 (Q8_0's), or 64 for narrow weights (module docstring)."""
+    if qmax not in (QMAX, NARROW_QMAX):
+        raise ValueError(f"qmax must be {QMAX} or {NARROW_QMAX} (narrow weights), got {qmax}")
     blocks = _blocks(weight.detach(), block)
-    scales = (blocks.abs().amax(dim=-1) / QMAX).to(torch.float16)
+    scales = (blocks.abs().amax(dim=-1) / qmax).to(torch.float16)
     inverse = torch.where(scales > 0, torch.ones_like(scales, dtype=torch.float32) / scales.float(), torch.zeros(()))
-    return Int8Blocks(_rounded(blocks, inverse), scales, weight.shape[1])
+    return Int8Blocks(_rounded(blocks, inverse, qmax), scales, weight.shape[1])
 
 
 def quantize_activations(x: torch.Tensor, block: int = Q8_0_BLOCK) -> Int8Blocks:
@@ -95,10 +109,10 @@ def quantize_activations(x: torch.Tensor, block: int = Q8_0_BLOCK) -> Int8Blocks
     return Int8Blocks(_rounded(blocks, inverse), amax / torch.full_like(amax, QMAX), x.shape[1])
 
 
-def _rounded(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+def _rounded(blocks: torch.Tensor, inverse: torch.Tensor, qmax: int = QMAX) -> torch.Tensor:
     """int8 [rows, padded_in]: each block [rows, blocks, block] times its inverse scale, rounded
-    half to even (as the kernel's conversion) and held to [-127, 127]."""
-    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    half to even (as the kernel's conversion) and held to [-qmax, qmax]."""
+    values = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
     return values.view(blocks.shape[0], -1)
 
 
@@ -106,10 +120,11 @@ def _rounded(blocks: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 class PackedInt8:
     """A quantized weight in the int8 kernel's layout (module docstring)."""
 
-    values: torch.Tensor  # uint8 [panels, blocks, block / 4, 64, 4]: q + 128
+    values: torch.Tensor  # uint8 [panels, blocks, block / 4, 64, 4]: q + offset
     scales: torch.Tensor  # fp16 [panels, blocks, 64]
     out_features: int
     in_features: int
+    offset: int = WEIGHT_OFFSET  # or NARROW_OFFSET, for narrow weights
 
     @property
     def block(self) -> int:
@@ -122,19 +137,27 @@ def packed_block(values: torch.Tensor) -> int:
     return values.shape[2] * QUAD
 
 
-def pack_int8(weight: Int8Blocks) -> PackedInt8:
+def pack_int8(weight: Int8Blocks, narrow: bool = False) -> PackedInt8:
+    """``weight`` in the kernel's layout, as q + 128, or with ``narrow`` as narrow weights, q +
+    64 (every |q| at most 64: ``quantize_weight(qmax=NARROW_QMAX)``)."""
     out_features, padded = weight.values.shape
     panels, blocks = -(-out_features // PANEL_COLUMNS), weight.scales.shape[1]
     extra_rows = panels * PANEL_COLUMNS - out_features
     values = F.pad(weight.values, (0, 0, 0, extra_rows))
     scales = F.pad(weight.scales.to(torch.float16), (0, 0, 0, extra_rows))
-    stored = (values.to(torch.int16) + WEIGHT_OFFSET).to(torch.uint8)
+    wide = values.to(torch.int16)  # abs() of an int8 -128 is -128
+    if narrow and wide.numel() > 0 and int(wide.abs().max()) > NARROW_QMAX:
+        raise ValueError(f"pack_int8: narrow weights must lie in [-{NARROW_QMAX}, {NARROW_QMAX}], "
+                         f"got |q| up to {int(wide.abs().max())}")
+    offset = NARROW_OFFSET if narrow else WEIGHT_OFFSET
+    stored = (wide + offset).to(torch.uint8)
     by_block = stored.view(panels, PANEL_COLUMNS, blocks, weight.block // QUAD, QUAD)
     return PackedInt8(
         values=by_block.permute(0, 2, 3, 1, 4).contiguous(),
         scales=scales.view(panels, PANEL_COLUMNS, blocks).transpose(1, 2).contiguous(),
         out_features=out_features,
         in_features=weight.in_features,
+        offset=offset,
     )
 
 
@@ -142,7 +165,7 @@ def unpack_int8(packed: PackedInt8) -> Int8Blocks:
     """Inverse of :func:`pack_int8`."""
     panels, blocks = packed.values.shape[:2]
     stored = packed.values.permute(0, 3, 1, 2, 4).reshape(panels * PANEL_COLUMNS, blocks * packed.block)
-    values = (stored.to(torch.int16) - WEIGHT_OFFSET).to(torch.int8)
+    values = (stored.to(torch.int16) - packed.offset).to(torch.int8)
     scales = packed.scales.transpose(1, 2).reshape(panels * PANEL_COLUMNS, blocks)
     return Int8Blocks(values[: packed.out_features], scales[: packed.out_features], packed.in_features)
 

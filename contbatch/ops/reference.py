@@ -336,12 +336,13 @@ def int8_linear(
     values: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None,
+    weight_offset: int = int8_blocks.WEIGHT_OFFSET,
 ) -> None:
     """out = x @ weight.T (+ bias) from quantized activations and a packed int8 weight (the
-    activations in the weight's blocks)."""
+    activations in the weight's blocks), its values stored as q + weight_offset."""
     rows, out_features = out.shape
     padded = x_values.shape[1]
-    packed = int8_blocks.PackedInt8(values, scales, out_features, padded)
+    packed = int8_blocks.PackedInt8(values, scales, out_features, padded, weight_offset)
     weight = int8_blocks.unpack_int8(packed)
     x = int8_blocks.Int8Blocks(x_values, x_scales, padded)
     out.copy_(int8_blocks.int8_linear_reference(x, weight, bias))
@@ -353,7 +354,8 @@ def int8_quantize_linear(
     values: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None,
+    weight_offset: int = int8_blocks.WEIGHT_OFFSET,
 ) -> None:
     """int8_quantize_rows in the weight's blocks, then int8_linear, in one call."""
     x_values, x_scales = int8_quantize_rows(x, int8_blocks.packed_block(values))
-    int8_linear(out, x_values, x_scales, values, scales, bias)
+    int8_linear(out, x_values, x_scales, values, scales, bias, weight_offset)

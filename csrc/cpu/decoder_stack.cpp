@@ -30,14 +30,15 @@ namespace {
 class PackedLinear : public torch::CustomClassHolder {
  public:
   // layout: "panels" (data: bf16_linear's panels), "int8" (data, scales: the int8
-  // kernel's blocks) or "onednn" (data: oneDNN's blocked weight).
+  // kernel's blocks, stored q + weight_offset) or "onednn" (data: oneDNN's blocked weight).
   PackedLinear(const std::string& layout, at::Tensor data, std::optional<at::Tensor> scales,
-               std::optional<at::Tensor> bias, int64_t out_features)
+               std::optional<at::Tensor> bias, int64_t out_features, int64_t weight_offset)
       : layout_(parse_layout(layout)),
         data_(std::move(data)),
         scales_(std::move(scales)),
         bias_(std::move(bias)),
-        out_features_(out_features) {
+        out_features_(out_features),
+        weight_offset_(weight_offset) {
     TORCH_CHECK_VALUE(layout_ != Layout::kInt8 || scales_.has_value(), "PackedLinear: the int8 layout needs its scales");
   }
 
@@ -46,7 +47,7 @@ class PackedLinear : public torch::CustomClassHolder {
     if (layout_ == Layout::kOneDnn) return onednn_linear(rows);
     at::Tensor out = at::empty({rows.size(0), out_features_}, rows.options());
     if (layout_ == Layout::kInt8) {
-      int8_quantize_linear_cpu(out, rows, data_, *scales_, bias_);
+      int8_quantize_linear_cpu(out, rows, data_, *scales_, bias_, weight_offset_);
     } else {
       bf16_linear_cpu(out, rows, data_, bias_);
     }
@@ -79,6 +80,7 @@ class PackedLinear : public torch::CustomClassHolder {
   at::Tensor data_;
   std::optional<at::Tensor> scales_, bias_;
   int64_t out_features_;
+  int64_t weight_offset_;  // the int8 layout's (int8_kernel_api.h)
 };
 
 struct Layer {
@@ -210,7 +212,7 @@ class DecoderStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(contbatch, m) {
   m.class_<PackedLinear>("PackedLinear")
       .def(torch::init<const std::string&, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
-                       int64_t>());
+                       int64_t, int64_t>());
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)

@@ -8,7 +8,7 @@
 //
 // Per 16 rows and block: 4 tdpbsud give the block's int32 sums for all 64 columns (tiles
 // 0-3; tile 4 the inputs, 5-7 the weights), stored to scratch, and each row's sums, plus its
-// offset (-128 x the block's input sum, which takes the weights' +128 out), become fp32 and
+// offset (-o x the block's input sum, which takes the weights' +o out), become fp32 and
 // are added, times the row's and column's scales, to the row's fp32 sums; those are rounded
 // to the output type once, after the bias. The int32 block sums are exact, as in the vector
 // kernels; the fp32 sums run over blocks in the same order, so the result is the VNNI

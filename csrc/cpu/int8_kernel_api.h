@@ -4,11 +4,12 @@
 // size per weight: 32 is a GGUF file's Q8_0, 64 what contbatch quantizes with), each block
 // signed 8-bit values q in [-127, 127] and one scale. Weights are panels of 64 output columns:
 // values[panel][block][quad][column][4] holds the column's inputs block_inputs * block +
-// 4 * quad + 0..3 as unsigned bytes q + 128, and per panel, block and column an fp16 scale.
-// Activations are rows of values [rows][blocks * block_inputs] (signed), quantized in the
-// weight's blocks, with fp32 scales [rows][blocks]; the driver adds each row's offsets
-// [rows][blocks], -128 * (the block's sum of values), which take the weights' +128 out of
-// every block's dot product.
+// 4 * quad + 0..3 as unsigned bytes q + o, and per panel, block and column an fp16 scale.
+// o, the weight's offset, is 128, or 64 for narrow weights (|q| <= 64, which AVX2 multiplies
+// without vpsignb: simd_int8_avx2.h). Activations are rows of values [rows][blocks *
+// block_inputs] (signed), quantized in the weight's blocks, with fp32 scales [rows][blocks];
+// the driver adds each row's offsets [rows][blocks], -o * (the block's sum of values), which
+// take the weights' +o out of every block's dot product.
 //
 // The int8 tiers are their own choice, made from the active ISA tier (int8_linear.cpp):
 // VNNI (vpdpbusd) wherever the CPU has AVX512_VNNI and an AVX-512 tier runs; else AVX-VNNI
@@ -36,6 +37,12 @@ constexpr int64_t kInt8ScratchHeader = 64;
 inline int64_t int8_scratch_bytes(int64_t /*padded_inputs*/) { return kInt8ScratchHeader; }
 
 template <class T>  // T: float or uint16_t (bf16 bits), the activations' and output's type
+using Int8PanelFn = void (*)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
+                             int64_t rows, int64_t blocks, int64_t block_inputs, const uint8_t* values,
+                             const uint16_t* scales, const T* bias, T* out, int64_t out_stride, int64_t columns,
+                             void* scratch);
+
+template <class T>
 struct Int8TypedKernels {
   // out[rows, columns] = x . panel (+ bias[columns]) for one panel (columns <= 64; bias may
   // be nullptr) of `blocks` blocks of block_inputs inputs (int8_block_served), x's rows
@@ -44,9 +51,7 @@ struct Int8TypedKernels {
   // scales, summed over blocks in fp32 and rounded to T once, after the bias. `scratch`
   // holds int8_scratch_bytes(blocks * block_inputs), 64-byte aligned, private to the calling
   // thread, its header zeroed by the driver before the thread's first task of the call.
-  void (*panel)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
-                int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                int64_t out_stride, int64_t columns, void* scratch);
+  Int8PanelFn<T> panel;
   // One row of in_features inputs into blocks of block_inputs (int8_block_served): scale =
   // max|x| / 127, q = round-half-even(x * (127 / max|x|)), zero past in_features up to whole
   // blocks.
@@ -55,6 +60,9 @@ struct Int8TypedKernels {
   // (docs/design/kv_cache_layout.md): quantized as one block by quantize_row's rule, then
   // the scale's 4 bytes.
   void (*quantize_kv_row)(const T* x, int64_t head_size, int8_t* row);
+  // panel for narrow weights (offset 64) where the tier reads them its own way; nullptr where
+  // panel serves them (it adds the offsets whatever they are).
+  Int8PanelFn<T> narrow_panel = nullptr;
 };
 
 struct Int8Kernels {

@@ -144,8 +144,8 @@ std::tuple<at::Tensor, at::Tensor> quantize(const cpu::Int8Kernels& kernels, con
 }
 
 // A call's inputs as the panels read them (int8, as quantized), with each row's
-// block scales and offsets ([rows][blocks]; an offset is -128 * the block's sum of values,
-// which cancels the +128 that the packed weights carry, q + 128, in the block's dot product).
+// block scales and offsets ([rows][blocks]; an offset is -o * the block's sum of values,
+// which cancels the +o that the packed weights carry, q + o, in the block's dot product).
 struct StagedInputs {
   const int8_t* values;
   int64_t stride;        // bytes from one row of values to the next
@@ -173,11 +173,12 @@ char* staging_memory(int64_t bytes, at::Tensor& storage) {
 }
 
 // One call's staging memory: offsets, then scales and values for the rows the op quantizes
-// itself.
+// itself. weight_offset: the weight's o (int8_kernel_api.h).
 class Staging {
  public:
-  Staging(int64_t rows, int64_t blocks, int64_t block_inputs, at::Tensor& storage)
-      : blocks_(blocks), block_inputs_(block_inputs), row_inputs_(blocks * block_inputs) {
+  Staging(int64_t rows, int64_t blocks, int64_t block_inputs, int32_t weight_offset, at::Tensor& storage)
+      : blocks_(blocks), block_inputs_(block_inputs), row_inputs_(blocks * block_inputs),
+        weight_offset_(weight_offset) {
     const int64_t scales_at = aligned64(rows * blocks * 4), values_at = scales_at + aligned64(rows * blocks * 4);
     char* memory = staging_memory(values_at + aligned64(rows * row_inputs_), storage);
     offsets_ = reinterpret_cast<int32_t*>(memory);
@@ -190,7 +191,7 @@ class Staging {
     for (int64_t b = 0; b < blocks_; ++b) {
       int32_t sum = 0;
       for (int64_t k = 0; k < block_inputs_; ++k) sum += row_values[b * block_inputs_ + k];
-      offsets_[r * blocks_ + b] = -128 * sum;
+      offsets_[r * blocks_ + b] = -weight_offset_ * sum;
     }
   }
 
@@ -204,15 +205,16 @@ class Staging {
 
  private:
   int64_t blocks_, block_inputs_, row_inputs_;
+  int32_t weight_offset_;
   int32_t* offsets_;
 };
 
 // The fused op's staging: input's rows quantized in blocks of block_inputs, then staged.
 template <class T>
 StagedInputs quantize_and_stage(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs,
-                                at::Tensor& storage) {
+                                int32_t weight_offset, at::Tensor& storage) {
   const int64_t rows = input.size(0), blocks = (input.size(1) + block_inputs - 1) / block_inputs;
-  const Staging staging(rows, blocks, block_inputs, storage);
+  const Staging staging(rows, blocks, block_inputs, weight_offset, storage);
   quantize_rows<T>(kernels, input, block_inputs, staging.values, staging.scales,
                    [&](int64_t r) { staging.stage_row(r, staging.values + r * blocks * block_inputs); });
   return staging.inputs(staging.values, staging.scales);
@@ -220,9 +222,9 @@ StagedInputs quantize_and_stage(const cpu::Int8Kernels& kernels, const at::Tenso
 
 // int8_linear's staging: x_values and x_scales as given (quantized in the weight's blocks).
 StagedInputs stage(const at::Tensor& x_values, const at::Tensor& x_scales, int64_t block_inputs,
-                   at::Tensor& storage) {
+                   int32_t weight_offset, at::Tensor& storage) {
   const int64_t rows = x_values.size(0), row_inputs = x_values.size(1);
-  const Staging staging(rows, row_inputs / block_inputs, block_inputs, storage);
+  const Staging staging(rows, row_inputs / block_inputs, block_inputs, weight_offset, storage);
   const auto* values = x_values.data_ptr<int8_t>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) staging.stage_row(r, values + r * row_inputs);
@@ -230,12 +232,21 @@ StagedInputs stage(const at::Tensor& x_values, const at::Tensor& x_scales, int64
   return staging.inputs(values, x_scales.data_ptr<float>());
 }
 
+// The weight's offset and what it allows (int8_kernel_api.h).
+struct WeightOffset {
+  int32_t value;  // 128, or 64: narrow weights
+  bool narrow() const { return value == 64; }
+};
+
 // block_inputs: values' block, which the inputs were quantized in.
 template <class T>
 void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedInputs& inputs,
                 const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
-                const std::optional<at::Tensor>& bias) {
-  const auto& kernel = typed<T>(kernels);
+                const std::optional<at::Tensor>& bias, WeightOffset weight_offset) {
+  const auto& typed_kernels = typed<T>(kernels);
+  const cpu::Int8PanelFn<T> panel = weight_offset.narrow() && typed_kernels.narrow_panel != nullptr
+                                        ? typed_kernels.narrow_panel
+                                        : typed_kernels.panel;
   const int64_t rows = out.size(0), out_features = out.size(1);
   const int64_t panels = values.size(0), blocks = values.size(1);
   const int64_t panel_values = blocks * block_inputs * cpu::kInt8PanelColumns;
@@ -251,7 +262,7 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
   for_panel_runs(rows, panels, kernels.tile_rows, kernels.scratch_bytes(blocks * block_inputs),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
-                   kernel.panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
+                   panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
                                 run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,
                                 b == nullptr ? nullptr : b + column0,
                                 o + run.row0 * out.stride(0) + column0, out.stride(0),
@@ -277,13 +288,19 @@ const cpu::Int8Kernels& panel_kernels(const cpu::Int8Kernels& kernels, int64_t r
 
 void run_panels_typed(const cpu::Int8Kernels& staged_for, at::Tensor& out, const StagedInputs& inputs,
                       const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& bias) {
+                      const std::optional<at::Tensor>& bias, WeightOffset weight_offset) {
   const cpu::Int8Kernels& kernels = panel_kernels(staged_for, out.size(0), block_inputs);
   if (out.scalar_type() == at::kFloat) {
-    run_panels<float>(kernels, out, inputs, values, block_inputs, scales, bias);
+    run_panels<float>(kernels, out, inputs, values, block_inputs, scales, bias, weight_offset);
   } else {
-    run_panels<uint16_t>(kernels, out, inputs, values, block_inputs, scales, bias);
+    run_panels<uint16_t>(kernels, out, inputs, values, block_inputs, scales, bias, weight_offset);
   }
+}
+
+WeightOffset check_weight_offset(const char* op, int64_t weight_offset) {
+  TORCH_CHECK_VALUE(weight_offset == 128 || weight_offset == 64, op,
+                    ": weight_offset must be 128 or 64 (narrow weights), got ", weight_offset);
+  return {int32_t(weight_offset)};
 }
 
 // The weight's checks (values, scales, bias against out); returns its block size.
@@ -323,20 +340,23 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows_cpu(const at::Tensor& inpu
 }
 
 void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tensor& x_scales,
-                     const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+                     const at::Tensor& values, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                     int64_t weight_offset) {
   const int64_t block_inputs = check_weight(out, values, scales, bias);
+  const WeightOffset offset = check_weight_offset("int8_linear", weight_offset);
   const int64_t rows = out.size(0), blocks = values.size(1);
   check_exact(x_values, at::kChar, {rows, blocks * block_inputs}, "x_values");
   check_exact(x_scales, at::kFloat, {rows, blocks}, "x_scales");
   if (rows == 0 || out.size(1) == 0) return;
   const cpu::Int8Kernels& kernels = active_int8_kernels();
   at::Tensor storage;
-  run_panels_typed(kernels, out, stage(x_values, x_scales, block_inputs, storage), values, block_inputs,
-                   scales, bias);
+  run_panels_typed(kernels, out, stage(x_values, x_scales, block_inputs, offset.value, storage), values,
+                   block_inputs, scales, bias, offset);
 }
 
 void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& values,
-                              const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+                              const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                              int64_t weight_offset) {
   TORCH_CHECK_VALUE(input.dim() == 2 && out.dim() == 2 && input.size(0) == out.size(0),
                     "int8_quantize_linear: input [rows, in_features] and out [rows, out_features] must have the "
                     "same rows, got ",
@@ -346,6 +366,7 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                    " and ", dtype_name(out.scalar_type()));
   check_rows(input, "int8_quantize_rows", "input");
   const int64_t block_inputs = check_weight(out, values, scales, bias);
+  const WeightOffset offset = check_weight_offset("int8_quantize_linear", weight_offset);
   const int64_t blocks = values.size(1);
   TORCH_CHECK_VALUE((input.size(1) + block_inputs - 1) / block_inputs == blocks, "int8_quantize_linear: input has ",
                     input.size(1), " features, the weight's ", blocks, " blocks of ", block_inputs, " take ",
@@ -354,9 +375,9 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
   const cpu::Int8Kernels& kernels = active_int8_kernels();  // one kernel table for both steps
   at::Tensor storage;
   const StagedInputs inputs = input.scalar_type() == at::kFloat
-                                  ? quantize_and_stage<float>(kernels, input, block_inputs, storage)
-                                  : quantize_and_stage<uint16_t>(kernels, input, block_inputs, storage);
-  run_panels_typed(kernels, out, inputs, values, block_inputs, scales, bias);
+                                  ? quantize_and_stage<float>(kernels, input, block_inputs, offset.value, storage)
+                                  : quantize_and_stage<uint16_t>(kernels, input, block_inputs, offset.value, storage);
+  run_panels_typed(kernels, out, inputs, values, block_inputs, scales, bias, offset);
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }

@@ -15,6 +15,9 @@
 //                                         calls of at most the second rows run in them (0, 0:
 //                                         never; see i8_tile_vectors and int8_row_tiles)
 //   kI8WholePanelGroup                    vectors such a tile sums at once (i8_group_vectors)
+//   CONTBATCH_I8_NARROW_QUADS             optional: a Quads (below) for narrow weights
+//                                         (stored q + 64, |q| <= 64), where the section
+//                                         reads them another way (AVX2's)
 // Included after layers_kernel.h (load1 / store1) and linear_tiles.h.
 //
 // The block size (32 or 64 inputs, int8_kernel_api.h) is a template parameter: a 64-input
@@ -24,10 +27,18 @@
 // A row tile of kI8TileRows rows runs over the panel in column tiles of kI8TileVectors x 16
 // (a tile of at most kI8WholePanelRows rows: the whole panel at once, see i8_tile_vectors),
 // its input quads broadcast from the rows as the driver staged them (int8_kernel_api.h):
-// per block, each row's accumulators start at its offset (-128 x the block's input sum,
-// which cancels the weights' +128), each quad row of weights loaded once feeds every row of
+// per block, each row's accumulators start at its offset (-o x the block's input sum,
+// which cancels the weights' +o: int8_kernel_api.h), each quad row of weights loaded once feeds every row of
 // the tile, the block's int32 sums become fp32 once (times the two scales), and the fp32
 // sums over blocks are rounded to the output type once.
+
+// How a tile reads a quad row of weights and starts a block's sums: the section's own
+// functions, for weights stored as q + 128 (and, where they add the offsets, q + 64 too).
+struct I8StoredQuads {
+  using Weights = I8Weights;
+  static I8Acc start(int32_t offset) { return i8_start(offset); }
+  static Weights load(const uint8_t* w) { return i8_load(w); }
+};
 
 #define CONTBATCH_PRAGMA_TEXT(text) #text
 #define CONTBATCH_UNROLL(n) _Pragma(CONTBATCH_PRAGMA_TEXT(GCC unroll n))
@@ -72,7 +83,7 @@ inline void with_block_inputs(int64_t block_inputs, const F& f) {
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
 // 0, or how many bytes on the weights of the panel read next lie, for a tile that reads
 // this panel from cache (not the run's first tile): it then prefetches those instead of its own.
-template <int MR, int BLOCK, class T>
+template <int MR, int BLOCK, class Quads, class T>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                       int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
@@ -87,14 +98,14 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
     for (int g = 0; g < NV; g += G) {  // the block's quad rows, G vectors' columns at a time
       I8Acc block_acc[MR][G];
       for (int m = 0; m < MR; ++m) {
-        const I8Acc start = i8_start(x_offsets[m * blocks + b]);
+        const I8Acc start = Quads::start(x_offsets[m * blocks + b]);
         for (int v = 0; v < G; ++v) block_acc[m][v] = start;
       }
       CONTBATCH_UNROLL(CONTBATCH_I8_QUAD_UNROLL)  // the tier's choice (its int8 section says why)
       for (int q = 0; q < kBlockQuads<BLOCK>; ++q) {
         const uint8_t* quad_row = values + (b * kBlockQuads<BLOCK> + q) * kQuadRowBytes + 4 * kLanes * g;
-        I8Weights w[G];
-        for (int v = 0; v < G; ++v) w[v] = i8_load(quad_row + 4 * kLanes * v);
+        typename Quads::Weights w[G];
+        for (int v = 0; v < G; ++v) w[v] = Quads::load(quad_row + 4 * kLanes * v);
         for (int v = 0; v < G; ++v) {
           if (later_panel == 0) {
             prefetch_panel_ahead(quad_row + 4 * kLanes * v);
@@ -120,14 +131,14 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
 }
 
 // later_panel: int8_tile's, for every row tile but the first.
-template <int kTileRows, int BLOCK, class T>
+template <int kTileRows, int BLOCK, class Quads, class T>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                        int64_t rows, int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                        int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
     for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
-      int8_tile<MR, BLOCK>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
+      int8_tile<MR, BLOCK, Quads>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
                     values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0,
                     out_stride, width, r == 0 ? 0 : later_panel);
     });
@@ -141,30 +152,31 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // themselves. Before, with 17-48 rows the first row tile waited on
 // DRAM while the others ran from cache with the memory idle: SmolLM2's 121 int8 projections
 // from DRAM took 17.4-17.8 ms at 32 rows against 11.2 with them in cache (Zen 4).
-template <int BLOCK, class T>
+template <int BLOCK, class Quads, class T>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
   const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
-      return int8_row_tiles_of<kI8WholePanelRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values,
-                                                         scales, bias, out, out_stride, columns, next_panel);
+      return int8_row_tiles_of<kI8WholePanelRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks,
+                                                                values, scales, bias, out, out_stride, columns,
+                                                                next_panel);
     }
   }
-  int8_row_tiles_of<kI8TileRows, BLOCK>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                                        out_stride, columns, next_panel);
+  int8_row_tiles_of<kI8TileRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias,
+                                               out, out_stride, columns, next_panel);
 }
 
 // No tier reads a copy of the panel now (AVX2's vpmaddwd kernel read one widened to int16
 // until 2026-12-02): `scratch` goes unused.
-template <class T>
+template <class T, class Quads = I8StoredQuads>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
   with_block_inputs(block_inputs, [&](auto block) {
-    int8_row_tiles<decltype(block)::size>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out,
-                                          out_stride, columns);
+    int8_row_tiles<decltype(block)::size, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias,
+                                                 out, out_stride, columns);
   });
 }
 
@@ -224,9 +236,18 @@ void int8_quantize_kv_row(const T* x, int64_t head_size, int8_t* row) {
   std::memcpy(row + head_size, &block.scale, sizeof block.scale);
 }
 
+// Int8TypedKernels::narrow_panel: the section's own way where it has one.
+#ifdef CONTBATCH_I8_NARROW_QUADS
+template <class T>
+constexpr Int8PanelFn<T> kI8NarrowPanel = &int8_panel<T, CONTBATCH_I8_NARROW_QUADS>;
+#else
+template <class T>
+constexpr Int8PanelFn<T> kI8NarrowPanel = nullptr;
+#endif
+
 constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>,
-                                            &int8_quantize_kv_row<float>};
+                                            &int8_quantize_kv_row<float>, kI8NarrowPanel<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
-                                               &int8_quantize_kv_row<uint16_t>};
+                                               &int8_quantize_kv_row<uint16_t>, kI8NarrowPanel<uint16_t>};
 constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8TileRows, &kInt8Fp32,
                                  &kInt8Bf16,          &int8_scratch_bytes, kVectorRunRows};

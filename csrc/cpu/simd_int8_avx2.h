@@ -1,12 +1,20 @@
 // The int8 section (int8_linear_kernel.h) for AVX2: vpmaddubsw multiplies 32 unsigned bytes
 // by 32 signed ones and adds adjacent pairs into int16 lanes, vpmaddwd by ones adds those
 // pairs into one int32 lane per column (the panel's [column][4] order, 8 columns a
-// register, as AVX-VNNI's vpdpbusd does in one instruction). vpmaddubsw saturates, so its
-// operands are kept small: the unsigned side is |q| (q = the stored byte - 128, the weight
-// itself) and the signed side the input with q's sign (vpsignb), both at most 127 but |q| =
-// 128 for a GGUF file's -128, so a pair sums to at most 2 x 128 x 127 = 32,512 < 32,767:
-// exact. The products are of q itself, so a block's accumulator starts at zero and the
-// driver's offsets (int8_kernel_api.h) go unused.
+// register, as AVX-VNNI's vpdpbusd does in one instruction). vpmaddubsw saturates, so a pair
+// must stay within 32,767, and there are two ways to keep it there:
+// - Weights of the full range (stored q + 128, |q| <= 128: a GGUF file's Q8_0 tensors, and
+//   the LM head contbatch quantizes): the unsigned side is |q| and the signed side the input
+//   with q's sign (vpsignb), both at most 127 but |q| = 128 for a GGUF file's -128, so a pair
+//   sums to at most 2 x 128 x 127 = 32,512: exact. The products are of q itself, so a
+//   block's accumulator starts at zero and the driver's offsets go unused.
+// - Narrow weights (stored q + 64, |q| <= 64: what LLM(quantization="int8") quantizes the
+//   other linears to where this kernel runs, ops.int8_weight_qmax): the stored byte is the
+//   unsigned side as it is, at most 128, so again a pair is at most 32,512, and the block
+//   starts at the driver's offset (-64 x its input sum) as in the vpdpbusd sections. The
+//   vpxor, vpabsb and vpsignb go: SmolLM2's 121 projections at 256 rows took 0.83x the time
+//   (290 against 351 ms, 2 threads, Zen 3, 2026-12-03; benchmarks/linear.py), 8 rows 0.85x,
+//   one row 0.87x. Their quality: docs/performance.md, "Narrow weights on AVX2".
 //
 // Why not vpmaddwd on weights widened to int16 (this tier's kernel until 2026-12-02): a Zen 3
 // issues one vpmaddwd a cycle (16 products), the same rate as its two 8-lane FMAs, and the
@@ -14,7 +22,7 @@
 // benchmarks/linear.py). vpmaddubsw and vpmaddwd issue on different pipes, so vpsignb,
 // vpmaddubsw, vpmaddwd and vpaddd make 32 products in about a cycle: 70 against 44 G
 // products a second on one Zen 3 core in a loop of independent sums (a throwaway
-// microbenchmark, 2026-12-02).
+// microbenchmark, 2026-12-02); without the vpsignb (narrow weights), 96.
 // Included after simd_avx2.h inside an int8 TU's target region.
 #pragma once
 
@@ -67,6 +75,26 @@ inline void i8_dot(I8Acc& acc, const I8Weights& w, I8Input x) {
     acc.columns[h] = _mm256_add_epi32(acc.columns[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
 }
+// Narrow weights (the header comment): the stored bytes multiply the inputs as they are.
+struct I8NarrowWeights {
+  __m256i stored[2];  // columns 0-7 and 8-15 x 4 weights q + 64, in [0, 128]
+};
+inline void i8_dot(I8Acc& acc, const I8NarrowWeights& w, I8Input x) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i pairs = _mm256_maddubs_epi16(w.stored[h], x);
+    acc.columns[h] = _mm256_add_epi32(acc.columns[h], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+}
+struct I8NarrowQuads {  // int8_linear_kernel.h's Quads for them
+  using Weights = I8NarrowWeights;
+  static I8Acc start(int32_t offset) { return {{_mm256_set1_epi32(offset), _mm256_set1_epi32(offset)}}; }
+  static Weights load(const uint8_t* w) {
+    return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))}};
+  }
+};
+#define CONTBATCH_I8_NARROW_QUADS I8NarrowQuads
+
 inline Vec16 i8_finish(const I8Acc& acc) {
   return {_mm256_cvtepi32_ps(acc.columns[0]), _mm256_cvtepi32_ps(acc.columns[1])};
 }

@@ -1,9 +1,10 @@
 // What the int8 sections with one int32 lane a column share: the vpdpbusd ones
 // (simd_int8_vnni.h, simd_int8_avx_vnni.h) and AVX2's vpmaddubsw one (simd_int8_avx2.h, which
 // sets its own unroll first). vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds
-// the 4 products to an int32 lane: the unsigned side is the stored weights (q + 128), the
+// the 4 products to an int32 lane: the unsigned side is the stored weights (q + o), the
 // signed side the inputs, as quantized, and each block's accumulator starts at the row's
-// offset (-128 x the block's input sum), which takes the +128 out.
+// offset (-o x the block's input sum), which takes the +o out (o: 128, or 64 for narrow
+// weights; int8_kernel_api.h).
 #pragma once
 
 // A row's quad at x: 4 signed bytes.

@@ -1,5 +1,5 @@
 // The int8 section (int8_linear_kernel.h) in portable C++: int32 sums of the stored weights
-// (q + 128) times the int8 inputs, from the row's block offset, one column at a time.
+// (q + o: int8_kernel_api.h) times the int8 inputs, from the row's block offset, one column at a time.
 // Included after simd_generic.h.
 #pragma once
 

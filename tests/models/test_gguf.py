@@ -183,6 +183,7 @@ def test_q8_0_gguf_runs_as_its_dequantized_copy_quantized_by_us(q8_0_gguf, tmp_p
     and so are the greedy tokens. The mixed layer is quantized by us on both sides; the LM
     head (tied) stays dense."""
     monkeypatch.setattr(ops, "int8_weight_block", lambda: int8_blocks.Q8_0_BLOCK)  # what quantization="int8" uses
+    monkeypatch.setattr(ops, "int8_weight_qmax", lambda: int8_blocks.QMAX)  # all 8 bits, as llama.cpp's
     dequantized = write_gguf(q8_0_gguf, tmp_path / "f32.gguf", 2, lambda name, values: "F32")
     settings = dict(skip_tokenizer_init=True, quantization="int8", quantize_lm_head=False, **SMALL)
     direct, ours = LLM(q8_0_gguf, **settings), LLM(dequantized, **settings)

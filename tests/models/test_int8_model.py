@@ -1,6 +1,7 @@
 """``LLM(quantization="int8")`` end to end, against HF transformers running the same int8
 arithmetic: SmolLM2 in HF with each ``nn.Linear`` (the LM head too) replaced by Q8_0 weights
-and per-token int8 activations computed by the float64 reference (contbatch/ops/int8_blocks.py).
+(narrow but the LM head's where the LLM quantized so: ops.int8_weight_qmax) and per-token int8
+activations computed by the float64 reference (contbatch/ops/int8_blocks.py).
 Our greedy tokens must be that model's argmax at every step given the same prefix, up to a
 near-tie (INT8_NEAR_TIE_TOL)."""
 
@@ -25,12 +26,12 @@ MAX_TOKENS = 16
 
 class FakeQuantLinear(nn.Module):
     """``nn.Linear`` computing what the int8 kernel computes, in float64 (then fp32), in
-    blocks of ``block`` inputs."""
+    blocks of ``block`` inputs, the weight's |q| up to qmax."""
 
-    def __init__(self, linear: nn.Linear, block: int) -> None:
+    def __init__(self, linear: nn.Linear, block: int, qmax: int) -> None:
         super().__init__()
         self.block = block
-        self.weight = int8_blocks.quantize_weight(linear.weight.detach(), block)
+        self.weight = int8_blocks.quantize_weight(linear.weight.detach(), block, qmax)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,32 +40,34 @@ class FakeQuantLinear(nn.Module):
         return out.float().view(*x.shape[:-1], -1)
 
 
-def _fake_quant_hf(model_dir, block: int, embeddings: bool = False):
+def _fake_quant_hf(model_dir, block: int, qmax: int, embeddings: bool = False):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if embeddings:  # the table's int8 values, dequantized; the tied head is quantized on its own below
         table = hf.get_input_embeddings().weight
         hf.set_input_embeddings(nn.Embedding.from_pretrained(int8_blocks.quantize_weight(table, block).dequantize()))
+    head = hf.get_output_embeddings()  # all 8 bits whatever qmax (contbatch/ops/int8_blocks.py)
     for parent in list(hf.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, FakeQuantLinear(child, block))
+                setattr(parent, name, FakeQuantLinear(child, block, int8_blocks.QMAX if child is head else qmax))
     return hf
 
 
 @pytest.fixture(scope="module")
 def fake_quant_hf(smollm_dir):
-    """The reference model for the blocks an LLM quantizes in (ops.int8_weight_block under
-    the int8 kernel it ran), one per block size."""
+    """The reference model for an LLM's quantization (its block and qmax, which the int8
+    kernel it ran chose: ops.int8_weight_block, ops.int8_weight_qmax), one per kind."""
     models = {}
 
-    def for_block(block: int):
-        if block not in models:
-            models[block] = _fake_quant_hf(smollm_dir, block)
-        return models[block]
+    def for_quantization(quantization):
+        kind = (quantization.block, quantization.qmax)
+        if kind not in models:
+            models[kind] = _fake_quant_hf(smollm_dir, *kind)
+        return models[kind]
 
-    return for_block
+    return for_quantization
 
 
 def _prompts(llm: LLM, count: int) -> list[list[int]]:
@@ -91,7 +94,6 @@ def test_int8_greedy_tokens_are_fake_quant_hf_argmax(batched, isa, smollm_dir, f
     """One request alone (1-row matmuls) and ten together, on every ISA tier this CPU has."""
     with ops.use_cpu_isa(isa) if isa != "reference" else contextlib.nullcontext():
         llm = LLM(smollm_dir, dtype="float32", quantization="int8", max_model_len=256)
-        block = ops.int8_weight_block()
         prompt_ids = _prompts(llm, 10 if batched else 1)
         outputs = llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids],
@@ -101,7 +103,7 @@ def test_int8_greedy_tokens_are_fake_quant_hf_argmax(batched, isa, smollm_dir, f
     model = llm.engine.runner.model
     assert model.layers[0].mlp.gate_up_proj.packed_weight.layout == "int8"
     assert model.tied_head_packed.layout == "int8"
-    _assert_argmax_of(fake_quant_hf(block), prompt_ids, outputs)
+    _assert_argmax_of(fake_quant_hf(llm.engine.quantization), prompt_ids, outputs)
 
 
 @pytest.mark.skipif(ops.BACKEND != "native", reason="the int8 kernels are in the C++ extension")
@@ -111,14 +113,13 @@ def test_int8_greedy_tokens_on_every_int8_kernel(kernel, smollm_dir, fake_quant_
     ten requests together, under the best tier."""
     with use_int8_kernel(kernel):
         llm = LLM(smollm_dir, dtype="float32", quantization="int8", max_model_len=256)
-        block = ops.int8_weight_block()
         prompt_ids = _prompts(llm, 10)
         outputs = llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids],
             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
             use_tqdm=False,
         )
-    _assert_argmax_of(fake_quant_hf(block), prompt_ids, outputs)
+    _assert_argmax_of(fake_quant_hf(llm.engine.quantization), prompt_ids, outputs)
 
 
 def test_int8_embeddings_share_the_head_copy(smollm_dir):
@@ -127,7 +128,7 @@ def test_int8_embeddings_share_the_head_copy(smollm_dir):
     llm = LLM(smollm_dir, dtype="float32", quantization="int8", quantize_embeddings=True, max_model_len=256)
     model = llm.engine.runner.model
     assert model.embed_tokens.packed is model.tied_head_packed.data
-    hf = _fake_quant_hf(smollm_dir, ops.int8_weight_block(), embeddings=True)
+    hf = _fake_quant_hf(smollm_dir, ops.int8_weight_block(), ops.int8_weight_qmax(), embeddings=True)
     ids = torch.tensor([[0, 1, 63, 64, 65, 49151], [5, 5, 100, 2000, 30000, 49087]])
     assert torch.equal(model.embed_tokens(ids), hf.get_input_embeddings()(ids))
     prompt_ids = _prompts(llm, 4)
@@ -163,7 +164,7 @@ def test_transformers_path_quantizes_the_same(smollm_dir, fake_quant_hf):
     assert llm.engine.runner.model.head.lm_head.packed_weight.layout == "int8"
     prompt_ids = _prompts(llm, 3)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    _assert_argmax_of(fake_quant_hf(ops.int8_weight_block()), prompt_ids, outputs)
+    _assert_argmax_of(fake_quant_hf(llm.engine.quantization), prompt_ids, outputs)
 
 
 def test_features_on_int8(smollm_dir):
@@ -212,8 +213,10 @@ def test_auto_dtype_is_bf16_around_int8_weights_on_every_tier(isa, widened, tiny
 def test_weights_are_quantized_in_the_block_their_kernel_runs_fastest(kernel, tiny_model_dirs):
     """64-input blocks under the AVX-512 VNNI kernel, Q8_0's 32 under the others (README,
     "8-bit weights"); a job's settings name the size, and the head and the lookup table share
-    it."""
+    it. Under AVX2's kernel the layers but the head are narrow (|q| <= 64, stored q + 64), and
+    the settings say so."""
     expected = 64 if kernel in ("avx512_vnni", AMX_INT8) else 32
+    narrow = kernel == "avx2"
     with use_int8_kernel(kernel):
         llm = LLM(tiny_model_dirs["llama"], device="cpu", skip_tokenizer_init=True, max_model_len=64,
                   quantization="int8", quantize_embeddings=True)
@@ -224,3 +227,9 @@ def test_weights_are_quantized_in_the_block_their_kernel_runs_fastest(kernel, ti
     assert [p.block for p in packed] == [expected, expected]
     assert model.embed_tokens.packed.block == expected
     assert described.startswith(f"int8 in {expected}-input blocks"), described
+    qkv_values = int8_blocks.unpack_int8(packed[0]).values
+    head_values = int8_blocks.unpack_int8(head.data).values
+    assert [p.offset for p in packed] == [64 if narrow else 128, 128]
+    assert int(qkv_values.abs().max()) == (64 if narrow else 127)
+    assert int(head_values.abs().max()) == 127
+    assert ("the layers but the LM head within +-64" in described) == narrow, described

@@ -11,6 +11,9 @@ contbatch quantizes with):
   sum exact, so any lost or saturated product shows), and on random shapes within fp32
   rounding of the float64 reference;
 - weight quantization round trip: each element within half a step of its block's scale.
+
+Weights of both kinds the kernels take: stored q + 128 (|q| <= 128), and narrow, stored q + 64
+(|q| <= 64), which AVX2's kernel reads another way (csrc/cpu/simd_int8_avx2.h).
 """
 
 import os
@@ -38,14 +41,15 @@ require_native()
 
 native = torch.ops.contbatch
 DTYPES = [torch.float32, torch.bfloat16]
+QMAXES = [int8_blocks.QMAX, int8_blocks.NARROW_QMAX]  # the weights' largest |q|: all 8 bits, narrow
 
 
-def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel) -> torch.Tensor:
-    packed = pack_int8(weight)
+def _linear(x: Int8Blocks, weight: Int8Blocks, bias, dtype, kernel, narrow: bool = False) -> torch.Tensor:
+    packed = pack_int8(weight, narrow)
     out = torch.full((x.values.shape[0], packed.out_features), float("nan"), dtype=dtype)
     inputs = x.values.clone()
     with use_int8_kernel(kernel):
-        native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias)
+        native.int8_linear(out, x.values, x.scales, packed.values, packed.scales, bias, packed.offset)
     assert not out.isnan().any(), "an output element was never written"
     # The op stages what its kernel reads (the block offsets) beside its argument.
     assert torch.equal(x.values, inputs), "int8_linear changed its x_values"
@@ -71,6 +75,7 @@ def test_quantize_rows_equals_reference(kernel, dtype, block, rows, in_features,
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("narrow", [False, True])
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -78,43 +83,66 @@ def test_quantize_rows_equals_reference(kernel, dtype, block, rows, in_features,
     blocks=st.integers(1, 12),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_integer_sums_are_exact(kernel, block, rows, out_features, blocks, seed):
+def test_linear_integer_sums_are_exact(kernel, block, narrow, rows, out_features, blocks, seed):
     """Values up to +-127 on one side and +-15 on the other keep every sum below 2^24, where
-    fp32 holds integers exactly: the kernel must give the int64 matmul bit for bit."""
+    fp32 holds integers exactly: the kernel must give the int64 matmul bit for bit, for
+    weights stored either way."""
     g = torch.Generator().manual_seed(seed)
     in_features = blocks * block
     x_values = torch.randint(-127, 128, (rows, in_features), generator=g, dtype=torch.int8)
     w_values = torch.randint(-15, 16, (out_features, in_features), generator=g, dtype=torch.int8)
     x = Int8Blocks(x_values, torch.ones(rows, blocks), in_features)
     weight = Int8Blocks(w_values, torch.ones(out_features, blocks, dtype=torch.float16), in_features)
-    out = _linear(x, weight, None, torch.float32, kernel)
+    out = _linear(x, weight, None, torch.float32, kernel, narrow)
     expected = x_values.long() @ w_values.long().T
     assert torch.equal(out, expected.float())
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("narrow", [False, True])
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), out_features=st.integers(1, 130), seed=st.integers(0, 2**31 - 1))
-def test_linear_extreme_products_are_exact(kernel, block, rows, out_features, seed):
+def test_linear_extreme_products_are_exact(kernel, block, narrow, rows, out_features, seed):
     """Every product at the largest magnitude a kernel meets: inputs +-127 (as quantized) and
-    weights 127 or -128 (a GGUF file's Q8_0 may hold -128), signs at random, so neighbouring
-    products often share a sign: AVX2's vpmaddubsw adds pairs into saturating int16 lanes and
-    must not clip one. 1,024 inputs keep every sum (at most 1,024 x 127 x 128) below 2^24."""
+    weights at their ends, signs at random, so neighbouring products often share a sign:
+    AVX2's vpmaddubsw adds pairs into saturating int16 lanes and must not clip one. Weights
+    stored q + 128 at 127 or -128 (a GGUF file's Q8_0 may hold -128); narrow ones at 64 or -64
+    (stored 128 and 0, which AVX2 multiplies as they are: a pair of 2 x 128 x 127 = 32,512
+    before the offset takes 64 x the inputs out). 1,024 inputs keep every sum (at most 1,024 x
+    127 x 128) below 2^24."""
     g = torch.Generator().manual_seed(seed)
     in_features = 1024
     blocks = in_features // block
+    low, high = (-64, 64) if narrow else (-128, 127)
     x_values = (torch.randint(0, 2, (rows, in_features), generator=g) * 254 - 127).to(torch.int8)
-    w_values = (torch.randint(0, 2, (out_features, in_features), generator=g) * 255 - 128).to(torch.int8)
+    w_values = (torch.randint(0, 2, (out_features, in_features), generator=g) * (high - low) + low).to(torch.int8)
     x = Int8Blocks(x_values, torch.ones(rows, blocks), in_features)
     weight = Int8Blocks(w_values, torch.ones(out_features, blocks, dtype=torch.float16), in_features)
-    out = _linear(x, weight, None, torch.float32, kernel)
+    out = _linear(x, weight, None, torch.float32, kernel, narrow)
     assert torch.equal(out, (x_values.long() @ w_values.long().T).float())
+
+
+def test_narrow_packing_refuses_weights_past_64():
+    weight = Int8Blocks(torch.full((3, 32), 65, dtype=torch.int8), torch.ones(3, 1, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match=r"narrow weights must lie in \[-64, 64\], got \|q\| up to 65"):
+        pack_int8(weight, narrow=True)
+
+
+@pytest.mark.parametrize("op", ["int8_linear", "int8_quantize_linear"])
+def test_weight_offsets_the_kernels_do_not_know_are_refused(op):
+    packed = pack_int8(quantize_weight(torch.randn(4, 32)))
+    out = torch.empty(2, 4)
+    x = torch.randn(2, 32)
+    inputs = native.int8_quantize_rows(x, 32) if op == "int8_linear" else (x,)
+    with pytest.raises(ValueError, match=f"{op}: weight_offset must be 128 or 64 \\(narrow weights\\), got 100"):
+        getattr(native, op)(out, *inputs, packed.values, packed.scales, None, 100)
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("qmax", QMAXES)
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 60),
@@ -123,38 +151,40 @@ def test_linear_extreme_products_are_exact(kernel, block, rows, out_features, se
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_matches_reference(kernel, dtype, block, rows, out_features, in_features, with_bias, seed):
+def test_linear_matches_reference(kernel, dtype, block, qmax, rows, out_features, in_features, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    weight = quantize_weight(torch.randn(out_features, in_features, generator=g) * 0.2, block)
+    weight = quantize_weight(torch.randn(out_features, in_features, generator=g) * 0.2, block, qmax)
+    narrow = qmax == int8_blocks.NARROW_QMAX
     bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
     x_blocks = int8_blocks.quantize_activations(x, block)
-    ours = _linear(x_blocks, weight, bias, dtype, kernel)
+    ours = _linear(x_blocks, weight, bias, dtype, kernel, narrow)
     expected = int8_blocks.int8_linear_reference(x_blocks, weight, bias)
     # fp32 sums over blocks in another order; bf16 output: one rounding step more.
     rtol, atol = (2**-7, 1e-3) if dtype == torch.bfloat16 else (1e-5, 1e-5 * in_features)
     torch.testing.assert_close(ours.double(), expected, rtol=rtol, atol=atol)
     # The fused op the layers call: the same quantization (bit for bit, above) and kernel.
-    packed = pack_int8(weight)
+    packed = pack_int8(weight, narrow)
     fused = torch.full_like(ours, float("nan"))
     with use_int8_kernel(kernel):
-        native.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
+        native.int8_quantize_linear(fused, x, packed.values, packed.scales, bias, packed.offset)
     assert torch.equal(fused, ours)
-    reference.int8_quantize_linear(fused, x, packed.values, packed.scales, bias)
+    reference.int8_quantize_linear(fused, x, packed.values, packed.scales, bias, packed.offset)
     torch.testing.assert_close(fused.double(), expected, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
 @pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("qmax", QMAXES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 20, 32, 47, 48, 49, 101])
-def test_linear_row_tiles_and_tasks(kernel, block, rows):
+def test_linear_row_tiles_and_tasks(kernel, block, qmax, rows):
     """Row counts around the register tiles (2 to 6 rows, split evenly: 20 rows as 5, 5, 5, 5),
     the calls whose tiles span the panel (up to 10 rows in tiles of up to 3 on the VNNI kernel:
     7 rows as 3, 2, 2; up to 16 rows on AVX2), the 48-row task; SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
     x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g), block)
-    weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block)
-    ours = _linear(x, weight, None, torch.float32, kernel)
+    weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block, qmax)
+    ours = _linear(x, weight, None, torch.float32, kernel, narrow=qmax == int8_blocks.NARROW_QMAX)
     expected = int8_blocks.int8_linear_reference(x, weight, None)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
 
@@ -217,6 +247,8 @@ def test_block_sizes_the_kernels_do_not_serve_are_refused():
         native.int8_quantize_rows(torch.randn(2, 96), 48)
     with pytest.raises(ValueError, match=r"block must be one of \(32, 64\), got 16"):
         quantize_weight(torch.randn(4, 32), 16)
+    with pytest.raises(ValueError, match=r"qmax must be 127 or 64 \(narrow weights\), got 100"):
+        quantize_weight(torch.randn(4, 32), 32, 100)
     weight = pack_int8(quantize_weight(torch.randn(8, 96), 32))
     as_16 = weight.values.view(weight.values.shape[0], -1, 4, 64, 4)  # 16-input blocks, as the kernels see them
     with pytest.raises(ValueError, match="blocks of 32 or 64 inputs"):
@@ -230,9 +262,10 @@ def test_the_reference_refuses_activations_in_other_blocks_than_the_weight():
 
 
 @pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("qmax", QMAXES)
 @settings(max_examples=50, deadline=None)
 @given(out_features=st.integers(1, 70), in_features=st.integers(1, 100), seed=st.integers(0, 2**31 - 1))
-def test_weight_round_trip_within_half_a_step(block, out_features, in_features, seed):
+def test_weight_round_trip_within_half_a_step(block, qmax, out_features, in_features, seed):
     """Each element within half a step of its block's scale s, except where rounding s to
     fp16 made 127 * s smaller than the block's largest value: there the clamped elements are
     off by at most that difference (at most 2^-11 of it for normal fp16 scales).
@@ -244,19 +277,20 @@ def test_weight_round_trip_within_half_a_step(block, out_features, in_features, 
     more fp32 rounding (2^-24 of |w| <= 128 * s)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
-    blocks = quantize_weight(weight, block)
+    blocks = quantize_weight(weight, block, qmax)
     assert blocks.block == block
-    assert blocks.values.abs().max() <= 127
-    assert torch.equal(unpack_int8(pack_int8(blocks)).values, blocks.values), "packing must be lossless"
+    assert blocks.values.abs().max() <= qmax
+    narrow = qmax == int8_blocks.NARROW_QMAX
+    assert torch.equal(unpack_int8(pack_int8(blocks, narrow)).values, blocks.values), "packing must be lossless"
     padded = torch.nn.functional.pad(weight, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, block)
     error = (blocks.dequantize() - weight).abs()
     error = torch.nn.functional.pad(error, (0, blocks.values.shape[1] - in_features)).view(out_features, -1, block)
     step = blocks.scales.float()
-    clamped_by = (padded.abs().amax(-1) - 127 * step).clamp(min=0)
+    clamped_by = (padded.abs().amax(-1) - qmax * step).clamp(min=0)
     bound = torch.maximum(0.5 * step, clamped_by) + 3 * 128 * 2**-24 * step + 1e-12
     assert (error <= bound.unsqueeze(-1)).all()
     normal = step >= 2**-14  # fp16's smallest normal
-    assert (clamped_by[normal] <= 127 * step[normal] * 2**-11 * (1 + 2**-10)).all()
+    assert (clamped_by[normal] <= qmax * step[normal] * 2**-11 * (1 + 2**-10)).all()
 
 
 def test_ops_wrappers_take_the_extension():
