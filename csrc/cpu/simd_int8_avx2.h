@@ -14,7 +14,8 @@
 //   starts at the driver's offset (-64 x its input sum) as in the vpdpbusd sections. The
 //   vpxor, vpabsb and vpsignb go: SmolLM2's 121 projections at 256 rows took 0.83x the time
 //   (290 against 351 ms, 2 threads, Zen 3, 2026-12-03; benchmarks/linear.py), 8 rows 0.85x,
-//   one row 0.87x. Their quality: docs/performance.md, "Narrow weights on AVX2".
+//   one row 0.87x (all narrow, a trial). Their quality: docs/performance.md, "Zen 3, 2026-12-03
+//   (twenty-fourth session)".
 //
 // Why not vpmaddwd on weights widened to int16 (this tier's kernel until 2026-12-02): a Zen 3
 // issues one vpmaddwd a cycle (16 products), the same rate as its two 8-lane FMAs, and the
