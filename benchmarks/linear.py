@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from contbatch import ops
 from contbatch.layers.linear import (
     PackedWeight,
-    int8_packed,
+    int8_quantized,
     onednn_can_pack,
     onednn_packed,
     packed_linear,
     panel_packed,
 )
-from contbatch.ops.int8_blocks import NARROW_QMAX, QMAX, quantize_weight
+from contbatch.ops.int8_blocks import QMAX
 
 from _report import replace_marked
 from _machine import cpu_description, cpu_kind
@@ -62,8 +62,7 @@ def packed_bytes(packed: PackedWeight) -> int:
 
 def int8_weight(weight: torch.Tensor, block: int, qmax: int) -> PackedWeight:
     """As LLM(quantization="int8") quantizes it: to |q| <= qmax, but the LM head to 127."""
-    qmax = QMAX if weight.shape[0] == VOCAB else qmax
-    return int8_packed(quantize_weight(weight.float(), block, qmax), narrow=qmax == NARROW_QMAX)
+    return int8_quantized(weight.float(), block, QMAX if weight.shape[0] == VOCAB else qmax)
 
 
 def packed_step(weights: list[torch.Tensor], pack: Callable[[torch.Tensor], PackedWeight]):

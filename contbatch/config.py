@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from contbatch import ops
+from contbatch.ops.int8_blocks import QMAX
 from contbatch.sampling_params import MAX_SEED
 
 _DTYPES = {
@@ -33,7 +34,7 @@ class Quantization:
     lm_head: bool
     embeddings: bool
     block: int  # inputs a block of the weights it quantizes (ops.int8_weight_block)
-    qmax: int = 127  # the largest |q| of the linear layers but the LM head (ops.int8_weight_qmax)
+    qmax: int = QMAX  # the largest |q| of the linear layers but the LM head (ops.int8_weight_qmax)
 
     def describe(self) -> str:
         """As a job's settings file records it: the block size and narrow weights are named,
@@ -43,7 +44,7 @@ class Quantization:
         def kind(quantized: bool) -> str:
             return self.method if quantized else "dense"
 
-        narrow = "" if self.qmax == 127 else f", the layers but the LM head within +-{self.qmax}"
+        narrow = "" if self.qmax == QMAX else f", the layers but the LM head within +-{self.qmax}"
         return (f"{self.method} in {self.block}-input blocks{narrow}, LM head {kind(self.lm_head)}, "
                 f"embeddings {kind(self.embeddings)}")
 

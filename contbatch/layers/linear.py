@@ -88,6 +88,12 @@ def int8_packed(weight: Int8Blocks, narrow: bool = False) -> PackedWeight:
     return PackedWeight(pack_int8(weight, narrow), "int8", weight.values.shape[0])
 
 
+def int8_quantized(weight: torch.Tensor, block: int, qmax: int = QMAX) -> PackedWeight:
+    """``weight`` quantized by Q8_0's rule in blocks of ``block`` inputs to |q| <= qmax, in the
+    int8 kernel's layout: narrow weights where qmax is NARROW_QMAX (ops/int8_blocks.py)."""
+    return int8_packed(quantize_weight(weight, block, qmax), narrow=qmax == NARROW_QMAX)
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` through oneDNN for ``weight`` in its blocked layout (``onednn_packed``)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -134,12 +140,12 @@ class Linear(nn.Linear):
         inputs to |q| <= qmax (ops/int8_blocks.py)."""
         if self.packed_weight is not None:
             raise RuntimeError("quantize_int8: the weight is packed already")
-        if blocks is None:
-            blocks = quantize_weight(self.weight, block, qmax)
+        packed = int8_quantized(self.weight, block, qmax) if blocks is None else int8_packed(blocks)
+        shape = (packed.out_features, packed.data.in_features)
         expected = (self.out_features, self.in_features)
-        if (blocks.values.shape[0], blocks.in_features) != expected:
-            raise ValueError(f"int8 weight is [{blocks.values.shape[0]}, {blocks.in_features}], layer needs {list(expected)}")
-        self._replace_weight(int8_packed(blocks, narrow=qmax == NARROW_QMAX))
+        if shape != expected:
+            raise ValueError(f"int8 weight is [{shape[0]}, {shape[1]}], layer needs {list(expected)}")
+        self._replace_weight(packed)
 
     def _replace_weight(self, packed: PackedWeight) -> None:
         self.packed_weight = packed

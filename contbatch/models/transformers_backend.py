@@ -21,11 +21,10 @@ from transformers.utils import ModelOutput
 from contbatch.config import Quantization
 from contbatch.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from contbatch.layers.embedding import Int8Embedding
-from contbatch.layers.linear import Linear, int8_packed, pack_linears, quantize_linears
+from contbatch.layers.linear import Linear, int8_quantized, pack_linears, quantize_linears
 from contbatch.layers.huge_pages import move_to_huge_pages, packed_tensors
 from contbatch.models.transformers_attention import ATTENTION_NAME, PagedStep, register_paged_attention
 from contbatch.models.transformers_config import TransformersModelConfig
-from contbatch.ops.int8_blocks import quantize_weight
 
 _PROBE_BLOCK_SIZE = 16
 
@@ -129,7 +128,7 @@ def _pack_linear_layers(model: nn.Module, quantization: Quantization | None) -> 
     pack_linears(model)
     if quantization is not None and quantization.embeddings:
         table = model.get_input_embeddings().weight
-        packed = int8_packed(quantize_weight(table, quantization.block))
+        packed = int8_quantized(table, quantization.block)
         model.set_input_embeddings(Int8Embedding(packed.data, table.dtype))
     move_to_huge_pages(packed_tensors(model))
 

@@ -29,6 +29,9 @@ inline bool int8_block_served(int64_t block_inputs) {
   return block_inputs == kInt8Q8Block || block_inputs == kInt8WideBlock;
 }
 constexpr int64_t kInt8PanelColumns = 64;
+// The weights' offsets o (above): 8-bit weights, and narrow ones.
+constexpr int32_t kInt8WeightOffset = 128;
+constexpr int32_t kInt8NarrowOffset = 64;
 
 // Scratch one panel call needs: a 64-byte header the driver zeroes before a thread's first
 // task of each call (for a tier's copy of the panel: none keeps one now, since AVX2's

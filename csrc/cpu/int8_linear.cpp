@@ -234,8 +234,8 @@ StagedInputs stage(const at::Tensor& x_values, const at::Tensor& x_scales, int64
 
 // The weight's offset and what it allows (int8_kernel_api.h).
 struct WeightOffset {
-  int32_t value;  // 128, or 64: narrow weights
-  bool narrow() const { return value == 64; }
+  int32_t value;  // kInt8WeightOffset, or kInt8NarrowOffset: narrow weights
+  bool narrow() const { return value == cpu::kInt8NarrowOffset; }
 };
 
 // block_inputs: values' block, which the inputs were quantized in.
@@ -298,8 +298,9 @@ void run_panels_typed(const cpu::Int8Kernels& staged_for, at::Tensor& out, const
 }
 
 WeightOffset check_weight_offset(const char* op, int64_t weight_offset) {
-  TORCH_CHECK_VALUE(weight_offset == 128 || weight_offset == 64, op,
-                    ": weight_offset must be 128 or 64 (narrow weights), got ", weight_offset);
+  TORCH_CHECK_VALUE(weight_offset == cpu::kInt8WeightOffset || weight_offset == cpu::kInt8NarrowOffset, op,
+                    ": weight_offset must be ", cpu::kInt8WeightOffset, " or ", cpu::kInt8NarrowOffset,
+                    " (narrow weights), got ", weight_offset);
   return {int32_t(weight_offset)};
 }
 
