@@ -237,9 +237,10 @@ def int8_weight_block() -> int:
 
 INT8_NARROW_WEIGHT_KERNELS = ("avx2",)
 """The int8 kernels ``LLM(quantization="int8")`` quantizes weights narrow for (|q| <= 64 but
-the LM head's, contbatch/ops/int8_blocks.py): AVX2's multiplies them without ``vpsignb``,
-0.83x the time of SmolLM2's projections at 256 rows on a Zen 3 (all narrow) for perplexity +0.77% against
-bf16 rather than +0.66%. The vpdpbusd kernels run either as fast, so they keep all 8 bits."""
+the LM head's, contbatch/ops/int8_blocks.py): AVX2's multiplies them without ``vpsignb``. On a
+Zen 3, SmolLM2's projections at 256 rows took 0.83x the time with every one narrow (a trial);
+narrow but the LM head, as shipped, perplexity is +0.77% against bf16 rather than +0.66% with
+all 8 bits. The vpdpbusd kernels run either as fast, so they keep all 8 bits."""
 
 
 def int8_weight_qmax() -> int:

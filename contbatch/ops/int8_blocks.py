@@ -30,10 +30,10 @@ as q + 64 instead, in [0, 128], their offsets -64 times the sums: AVX2's ``vpmad
 multiplies such bytes by 8-bit activations as they are, without ``vpsignb``, and a pair of
 products cannot saturate its int16 (csrc/cpu/simd_int8_avx2.h). ``LLM(quantization="int8")``
 quantizes every linear layer but the LM head narrow where that kernel runs
-(``contbatch.ops.int8_weight_qmax``): all narrow, SmolLM2's projections at 256 rows took 0.83x
-the time, at the price of perplexity +0.77% against bf16 rather than +0.66% with the LM head
-kept at 8 bits (Zen 3; docs/performance.md, "Zen 3, 2026-12-03 (twenty-fourth session)");
-the LM head narrow too cost +1.19%.
+(``contbatch.ops.int8_weight_qmax``). On a Zen 3 (docs/performance.md, "Zen 3, 2026-12-03
+(twenty-fourth session)"), SmolLM2's projections at 256 rows took 0.83x the time with every one
+narrow (a trial); narrow but the LM head, as shipped, perplexity is +0.77% against bf16 rather
+than +0.66% with all 8 bits; the LM head narrow too cost +1.19%.
 """
 
 from dataclasses import dataclass
