@@ -1,4 +1,4 @@
-// The int8 linear kernel for AVX2 + FMA + F16C (vpmaddwd on widened weights): AVX2 CPUs,
+// The int8 linear kernel for AVX2 + FMA + F16C (vpmaddubsw, simd_int8_avx2.h): AVX2 CPUs,
 // and AVX-512 CPUs without VNNI.
 #define CONTBATCH_TIER_TARGET "avx2,fma,f16c"
 #define CONTBATCH_TIER_SIMD "simd_avx2.h"
