@@ -41,20 +41,30 @@ struct I8Weights {
   __m256i magnitudes[2];  // |q| of the same, unsigned
 };
 
-// 2 rows x 16 columns. On a Zen 3 (SmolLM2's 121 projections at 256 rows, 2 threads, time
-// against the bf16 panels' in the same run) 2 rows took 0.79x, 3 rows 0.85x and 4 rows 0.98x;
-// reading a copy of the panel with the vpxor and vpabsb done once a call (as the vpmaddwd
-// kernel read one widened to int16) 0.78x with 2 or 3 rows: not worth its code. The quad loop
-// unrolled whole, as the vpdpbusd sections have it, took 1.16x.
-constexpr int kI8TileRows = 2;
+// Calls of more than 10 rows: tiles of 3 rows x 16 columns (a shorter last one), which keep
+// the three rows' block sums and fp32 sums in registers and load each quad row of weights
+// once for three rows. Against 2-row tiles spanning the panel (this tier's tiles for every
+// call until 2026-12-03): SmolLM2's 121 projections (narrow weights but the LM head) took
+// 0.80-0.92x the time at 12 rows, 0.87-0.89x at 32, 0.80-0.87x at 128 and 0.81-0.84x at 256
+// (Zen 3, 2 threads, the two alternated in one process, four rounds), and chat256's int8 run
+// was 1.11-1.12x as fast (docs/performance.md, "Zen 3, 2026-12-03 (twenty-seventh
+// session)"). Earlier, with the sign trick for every weight, 3 rows had lost to 2 (0.85x
+// against 0.79x of the bf16 panels' time at 256 rows); reading a copy of the panel with the
+// vpxor and vpabsb done once a call (as the vpmaddwd kernel read one widened to int16) 0.78x
+// with 2 or 3 rows: not worth its code. The quad loop unrolled whole, as the vpdpbusd
+// sections have it, took 1.16x.
+constexpr int kI8TileRows = 3;
 constexpr int kI8TileVectors = 1;
-// Calls of up to 16 rows run in tiles of 1-2 rows that span the panel, one 16-column vector
-// of a block at a time (int8_linear_kernel.h, i8_group_vectors): the 2 x 16 tile read each
-// 256-byte quad row in 4 strided passes. With the AVX2 tier forced on a Zen 4, SmolLM2's
-// projections at 1 / 4 / 8 / 16 rows: 11.4 / 14.2 / 18.8 / 31.5 ms before, 7.0 / 8.7 / 15.0 /
-// 29.5 after (weights from DRAM, with the vpmaddwd kernel of then).
+// Calls of up to 10 rows, bound by reading the weights, run in tiles of 1-2 rows that span the
+// panel, one 16-column vector of a block at a time (int8_linear_kernel.h, i8_group_vectors):
+// a 16-column tile reads each 256-byte quad row in 4 strided passes. With the AVX2 tier
+// forced on a Zen 4, SmolLM2's projections at 1 / 4 / 8 / 16 rows: 11.4 / 14.2 / 18.8 / 31.5
+// ms before, 7.0 / 8.7 / 15.0 / 29.5 after (weights from DRAM, with the vpmaddwd kernel of
+// then). The 3-row tiles took over from 11 rows on (Zen 3, 2026-12-03, the same rounds as
+// above): at 3 rows they took 1.1-1.35x the spanning tiles' time, at 6-10 rows 0.93-1.25x
+// (no clear side), at 12-16 rows 0.80-0.95x.
 constexpr int kI8WholePanelRows = 2;
-constexpr int kI8WholePanelRunRows = 16;
+constexpr int kI8WholePanelRunRows = 10;
 constexpr int kI8WholePanelGroup = 1;
 
 inline I8Input i8_input(const int8_t* x) { return _mm256_set1_epi32(int(i8_quad(x))); }
