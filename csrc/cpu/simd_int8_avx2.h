@@ -42,13 +42,14 @@ struct I8Weights {
 };
 
 // Calls of more than 10 rows: tiles of 3 rows x 16 columns (a shorter last one), which keep
-// the three rows' block sums and fp32 sums in registers and load each quad row of weights
-// once for three rows. Against 2-row tiles spanning the panel (this tier's tiles for every
+// the three rows' block sums and all but one of their fp32 sums in registers (GCC 12 parks one
+// on the stack across each block's quad loop) and load each quad row of weights once for
+// three rows. Against 2-row tiles spanning the panel (this tier's tiles for every
 // call until 2026-12-03): SmolLM2's 121 projections (narrow weights but the LM head) took
-// 0.80-0.92x the time at 12 rows, 0.87-0.89x at 32, 0.80-0.87x at 128 and 0.81-0.84x at 256
-// (Zen 3, 2 threads, the two alternated in one process, four rounds), and chat256's int8 run
-// was 1.11-1.12x as fast (docs/performance.md, "Zen 3, 2026-12-03 (twenty-seventh
-// session)"). Earlier, with the sign trick for every weight, 3 rows had lost to 2 (0.85x
+// 0.80-0.92x the time at 12 rows, 0.87-0.89x at 32, 0.80-0.87x at 128 and 0.81-0.84x at 256,
+// but for one round at 0.57x in each of the last two (Zen 3, 2 threads, the two alternated in
+// one process, four rounds), and chat256's int8 run was 1.11-1.12x as fast
+// (docs/performance.md, "Zen 3, 2026-12-03 (twenty-seventh session)"). Earlier, with the sign trick for every weight, 3 rows had lost to 2 (0.85x
 // against 0.79x of the bf16 panels' time at 256 rows); reading a copy of the panel with the
 // vpxor and vpabsb done once a call (as the vpmaddwd kernel read one widened to int16) 0.78x
 // with 2 or 3 rows: not worth its code. The quad loop unrolled whole, as the vpdpbusd
