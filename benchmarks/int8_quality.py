@@ -25,22 +25,20 @@ import shlex
 import sys
 import time
 
-sys.modules.setdefault("kernels", None)  # see throughput.py: this folder's kernels.py is not the `kernels` package
+import torch
+from lm_eval.api.instance import Instance
+from transformers import AutoTokenizer
 
-import torch  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from contbatch import LLM, SamplingParams, ops
+from contbatch.demo_model import demo_model_dir
+from contbatch.integrations.lm_eval import ContbatchLM
+from contbatch.ops.int8_blocks import QMAX
 
-from contbatch import LLM, SamplingParams, ops  # noqa: E402
-from contbatch.demo_model import demo_model_dir  # noqa: E402
-from contbatch.integrations.lm_eval import ContbatchLM  # noqa: E402
-from contbatch.ops.int8_blocks import QMAX  # noqa: E402
-
-from _machine import cpu_description, cpu_kind  # noqa: E402
-from _report import markdown_table, replace_marked  # noqa: E402
-from _results import greedy_agreement  # noqa: E402
-from _roofline import DTYPES  # noqa: E402
-from _workloads import REPO_ROOT, load_workload  # noqa: E402
+from _machine import cpu_description, cpu_kind
+from _report import markdown_table, replace_marked
+from _results import greedy_agreement
+from _roofline import DTYPES
+from _workloads import REPO_ROOT, load_workload
 
 TEXT_PATH = REPO_ROOT / "benchmarks" / "data" / "perplexity_text.txt"
 TARGET_PERCENT = 1.0  # int8 perplexity at most this much above the unquantized model's

@@ -12,19 +12,16 @@ offline API gets). Greedy, EOS ignored, every request to its own max_tokens.
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.modules.setdefault("kernels", None)  # this folder's kernels.py is not transformers' `kernels`
+from contbatch import LLM, SamplingParams, ops
 
-from contbatch import LLM, SamplingParams, ops  # noqa: E402
-
-from _machine import cpu_description  # noqa: E402
-from _report import markdown_table  # noqa: E402
-from _results import greedy_agreement, run_subprocess  # noqa: E402
-from _workloads import load_workload  # noqa: E402
+from _machine import cpu_description
+from _report import markdown_table
+from _results import greedy_agreement, run_subprocess
+from _workloads import load_workload
 
 CHILD = Path(__file__).resolve().parent / "_llama_cpp_child.py"
 

@@ -13,22 +13,19 @@ at --hf-batch-size (its default is 1; larger is faster on this CPU up to a point
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.modules.setdefault("kernels", None)  # see throughput.py: this folder's kernels.py is not the `kernels` package
+import lm_eval
+import torch
+from lm_eval.tasks import TaskManager
 
-import lm_eval  # noqa: E402
-import torch  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+import contbatch.integrations.lm_eval  # noqa: F401  (registers "contbatch")
+from contbatch.demo_model import demo_model_dir
 
-import contbatch.integrations.lm_eval  # noqa: E402,F401  (registers "contbatch")
-from contbatch.demo_model import demo_model_dir  # noqa: E402
-
-from _machine import cpu_description, cpu_kind  # noqa: E402
-from _report import markdown_table, replace_marked  # noqa: E402
+from _machine import cpu_description, cpu_kind
+from _report import markdown_table, replace_marked
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SUBJECTS = ["cat", "river", "teacher", "mountain", "computer", "garden", "ship", "doctor", "city", "song"]

@@ -14,20 +14,17 @@ writes it into docs/performance.md.
 
 import argparse
 import random
-import sys
 import time
 
-sys.modules.setdefault("kernels", None)  # see throughput.py: this folder's kernels.py is not the `kernels` package
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from contbatch import LLM, SamplingParams
+from contbatch.demo_model import demo_model_dir
 
-from contbatch import LLM, SamplingParams  # noqa: E402
-from contbatch.demo_model import demo_model_dir  # noqa: E402
-
-from _machine import cpu_description, cpu_kind  # noqa: E402
-from _report import markdown_table, replace_marked  # noqa: E402
-from _roofline import DTYPES, fastest, torch_has_fast_bf16_matmuls  # noqa: E402
+from _machine import cpu_description, cpu_kind
+from _report import markdown_table, replace_marked
+from _roofline import DTYPES, fastest, torch_has_fast_bf16_matmuls
 
 # The last is SmolLM2's longest prompt: max_model_len (8,192) less the one token generated.
 LENGTHS = (500, 1000, 2500, 5000, 8191)

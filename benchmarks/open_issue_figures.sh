@@ -25,8 +25,8 @@ commands=(
     "python benchmarks/long_prompt.py --dtype fp32 --update-docs"
     "python benchmarks/long_prompt.py --dtype bf16 --reps 1 --update-docs"
     "python benchmarks/linear.py --copies 3 --int8 --update-docs"
-    "python benchmarks/kernels.py --update-docs"
-    "python benchmarks/kernels.py --quick --kv-cache-dtype int8 --update-docs"
+    "python benchmarks/kernel_timings.py --update-docs"
+    "python benchmarks/kernel_timings.py --quick --kv-cache-dtype int8 --update-docs"
     "python benchmarks/throughput.py --systems contbatch,contbatch_int8 --dtype bf16 --kv-cache-dtype int8"
 )
 

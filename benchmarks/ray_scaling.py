@@ -22,15 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.modules.setdefault("kernels", None)  # see throughput.py: this folder's kernels.py is not the `kernels` package
+from transformers import AutoTokenizer
 
-from transformers import AutoTokenizer  # noqa: E402
+from contbatch import LLM, SamplingParams
 
-from contbatch import LLM, SamplingParams  # noqa: E402
-
-from _machine import cpu_description  # noqa: E402
-from _report import markdown_table, replace_marked  # noqa: E402
-from _workloads import REPO_ROOT, WORKLOADS, BenchRequest, load_workload  # noqa: E402
+from _machine import cpu_description
+from _report import markdown_table, replace_marked
+from _workloads import REPO_ROOT, WORKLOADS, BenchRequest, load_workload
 
 DOCS_PATH = REPO_ROOT / "docs" / "scaling.md"
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

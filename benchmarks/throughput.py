@@ -23,26 +23,22 @@ import tempfile
 import time
 from pathlib import Path
 
-# This script's folder is on sys.path, and its kernels.py would pass for the unrelated
-# `kernels` package that transformers probes for: mark that package as absent.
-sys.modules.setdefault("kernels", None)
+import torch
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+from contbatch import ops
+from contbatch.config import MODEL_IMPLS
 
-from contbatch import ops  # noqa: E402
-from contbatch.config import MODEL_IMPLS  # noqa: E402
-
-from _machine import machine_info  # noqa: E402
-from _report import markdown_section, update_docs  # noqa: E402
-from _results import greedy_agreement, run_subprocess  # noqa: E402
-from _roofline import (DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates,  # noqa: E402
+from _machine import machine_info
+from _report import markdown_section, update_docs
+from _results import greedy_agreement, run_subprocess
+from _roofline import (DTYPES, ModelFlops, ceiling, copy_bandwidth, matmul_rates,
                       torch_has_fast_bf16_matmuls)
-from _vllm_cpu_system import DEFAULT_VENV as VLLM_CPU_VENV  # noqa: E402
-from _vllm_cpu_system import NAME as VLLM_CPU  # noqa: E402
-from _vllm_cpu_system import missing_venv, run_vllm_cpu  # noqa: E402
-from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests  # noqa: E402
+from _vllm_cpu_system import DEFAULT_VENV as VLLM_CPU_VENV
+from _vllm_cpu_system import NAME as VLLM_CPU
+from _vllm_cpu_system import missing_venv, run_vllm_cpu
+from _workloads import REPO_ROOT, WORKLOADS, load_workload, random_requests
 
 # Run by this script in a subprocess; contbatch_int8 is contbatch with quantization="int8".
 CHILD_SYSTEMS = ("contbatch", "contbatch_int8", "hf_static", "hf_cb", "hf_serial")

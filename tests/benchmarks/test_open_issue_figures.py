@@ -35,7 +35,7 @@ def _marker_key(argv: list[str], cpu: str) -> str:
         return f"long-prompt-{_option(argv, '--dtype', 'fp32')}-{cpu}"
     if script == "linear.py":
         return f"linear-{cpu}"
-    if script == "kernels.py":
+    if script == "kernel_timings.py":
         return f"kernels-{'int8-kv-' if _option(argv, '--kv-cache-dtype', 'auto') == 'int8' else ''}{cpu}"
     raise AssertionError(f"{script} writes the docs, but this test does not know its marker key")
 

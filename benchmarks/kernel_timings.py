@@ -12,9 +12,9 @@ from the CPU caches. Also one prefill batch, reshape_and_cache, and the sampler'
 argmax_rows and sample_rows over SmolLM2's 49,152-token vocabulary. Prints a markdown table; --out FILE
 writes it to FILE too.
 
-    python benchmarks/kernels.py [--out FILE] [--quick] [--update-docs]
-    python benchmarks/kernels.py --sampler                          # the sampler's ops only
-    python benchmarks/kernels.py --kv-cache-dtype int8 [--quick]   # int8 caches (kv_cache_dtype="int8")
+    python benchmarks/kernel_timings.py [--out FILE] [--quick] [--update-docs]
+    python benchmarks/kernel_timings.py --sampler                          # the sampler's ops only
+    python benchmarks/kernel_timings.py --kv-cache-dtype int8 [--quick]   # int8 caches (kv_cache_dtype="int8")
 
 With --kv-cache-dtype int8 the caches hold the same values in int8 rows (values and a
 scale, docs/design/kv_cache_layout.md), the queries stay bf16 or fp32, and the sampler rows
@@ -238,7 +238,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(table + "\n")
     if args.update_docs:
-        command = "python benchmarks/kernels.py --update-docs" + (" --quick" if args.quick else "") + \
+        command = "python benchmarks/kernel_timings.py --update-docs" + (" --quick" if args.quick else "") + \
             (" --kv-cache-dtype int8" if int8 else "")
         measured = f"Measured {time.strftime('%Y-%m-%d %H:%M:%S')} with `{command}`. CPU: {cpu_description()}."
         replace_marked(f"kernels-{'int8-kv-' if int8 else ''}{cpu_kind()}", f"{measured}\n\n{table}")
