@@ -15,6 +15,8 @@
 //                                         calls of at most the second rows run in them (0, 0:
 //                                         never; see i8_tile_vectors and int8_row_tiles)
 //   kI8WholePanelGroup                    vectors such a tile sums at once (i8_group_vectors)
+//   kI8WholePanelRegisterRows             such tiles of more rows keep their fp32 sums over
+//                                         blocks in L1, not in registers (i8_sums_in_memory)
 //   CONTBATCH_I8_NARROW_QUADS             optional: a Quads (below) for narrow weights
 //                                         (stored q + 64, |q| <= 64), where the section
 //                                         reads them another way (AVX2's)
@@ -61,6 +63,14 @@ template <int MR>
 constexpr int i8_group_vectors() {
   return MR <= kI8WholePanelRows ? kI8WholePanelGroup : kI8TileVectors;
 }
+// Whether an MR-row tile keeps its fp32 sums over blocks in an L1 array rather than in
+// registers: a spanning tile of more rows than kI8WholePanelRegisterRows, whose block sums
+// (MR x 4 int32 vectors) then have the registers to themselves. Each block's finish loads
+// and stores the sums once, against 16 vpdpbusd a vector in a 64-input block.
+template <int MR>
+constexpr bool i8_sums_in_memory() {
+  return MR <= kI8WholePanelRows && MR > kI8WholePanelRegisterRows;
+}
 constexpr int64_t kQuadRowBytes = kInt8PanelColumns * 4;
 constexpr int64_t kInputQuadBytes = 4;  // a quad of int8 inputs
 template <int BLOCK>
@@ -88,9 +98,19 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
                       int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
   constexpr int NV = i8_tile_vectors<MR>();
+  constexpr bool kSumsInMemory = i8_sums_in_memory<MR>();
   Vec16 acc[MR][NV];
-  for (int m = 0; m < MR; ++m) {
-    for (Vec16& a : acc[m]) a = vzero();
+  alignas(64) float memory_sums[kSumsInMemory ? MR : 1][NV * kLanes];
+  if constexpr (kSumsInMemory) {
+    // Taking the array's address in an asm keeps GCC from turning it back into registers.
+    asm volatile("" : : "r"(&memory_sums[0][0]) : "memory");
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) vstore(memory_sums[m] + kLanes * v, vzero());
+    }
+  } else {
+    for (int m = 0; m < MR; ++m) {
+      for (Vec16& a : acc[m]) a = vzero();
+    }
   }
   constexpr int G = i8_group_vectors<MR>();
   static_assert(NV % G == 0, "vector groups must divide the tile");
@@ -121,10 +141,20 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
       for (int v = 0; v < G; ++v) {
         const Vec16 w_scale = vload_f16(scales + b * kInt8PanelColumns + kLanes * (g + v));
         for (int m = 0; m < MR; ++m) {
-          acc[m][g + v] =
-              vfma(i8_finish(block_acc[m][v]), vmul(w_scale, vset1(x_scales[m * blocks + b])), acc[m][g + v]);
+          const Vec16 block_scale = vmul(w_scale, vset1(x_scales[m * blocks + b]));
+          if constexpr (kSumsInMemory) {
+            float* sum = memory_sums[m] + kLanes * (g + v);
+            vstore(sum, vfma(i8_finish(block_acc[m][v]), block_scale, vload(sum)));
+          } else {
+            acc[m][g + v] = vfma(i8_finish(block_acc[m][v]), block_scale, acc[m][g + v]);
+          }
         }
       }
+    }
+  }
+  if constexpr (kSumsInMemory) {
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < NV; ++v) acc[m][v] = vload(memory_sums[m] + kLanes * v);
     }
   }
   store_tile(acc, bias, out, out_stride, columns);

@@ -14,6 +14,7 @@ constexpr int kI8TileVectors = 4;
 constexpr int kI8WholePanelRows = 0;  // no tile spans the panel (int8_linear_kernel.h)
 constexpr int kI8WholePanelRunRows = 0;
 constexpr int kI8WholePanelGroup = 1;
+constexpr int kI8WholePanelRegisterRows = kI8WholePanelRows;  // sums in registers
 
 #define CONTBATCH_I8_QUAD_UNROLL 1
 inline I8Input i8_input(const int8_t* x) {

@@ -21,7 +21,7 @@ using I8Weights = __m512i;  // lane i: the column's 4 weights
 // the 32 registers (measured best of 3-12 rows x 16-64 columns on an Emerald Rapids Xeon).
 constexpr int kI8TileRows = 6;
 constexpr int kI8TileVectors = 2;
-// Calls of up to 10 rows run in tiles of 1-3 rows that span the 64-column panel (4 int32 and
+// Calls of up to 10 rows run in tiles of 1-4 rows that span the 64-column panel (4 int32 and
 // 4 fp32 accumulators a row; int8_linear_kernel.h, i8_tile_vectors). On Zen 4, SmolLM2's
 // projections at 1-16 rows went from 0.81-1.14x the bf16 panels' speed to 1.30-1.38x
 // (weights from DRAM). Once the 6 x 32 tiles prefetched the next panel too and split rows
@@ -34,10 +34,16 @@ constexpr int kI8TileVectors = 2;
 // 2.46 to 1.86 ms at 3 rows, 3.39 to 2.96 at 6, 4.12 to 3.70 at 8 and 4.82 to 3.90 at 9
 // (about 0.15 ms of each is the driver's cheaper staging, int8_linear.cpp); tiles of 4 were
 // no faster than 3, and spanning tiles up to 16 rows no faster than the 6 x 32 ones from 11
-// (Zen 4, 2026-11-27, eighth session).
-constexpr int kI8WholePanelRows = 3;
+// (Zen 4, 2026-11-27, eighth session). Since 2026-12-07 a tile of 4 rows spans the panel too,
+// its 16 int32 accumulators in registers and its fp32 sums in L1 (i8_sums_in_memory): one pass
+// over the panel where two 2-row tiles read it twice. Alternated against the build before
+// (weights in cache, SmolLM2's four projection shapes, Zen 4): 4 rows 0.88-0.97x the time, 7
+// rows (4 + 3) 0.94-1.0x, 10 rows (4 + 3 + 3) 0.97-0.98x, 8 rows (4 + 4 against 3 + 3 + 2)
+// alike; with tiles of 5 and 6 rows the same way, 5 and 6 rows took 1.0-1.09x.
+constexpr int kI8WholePanelRows = 4;
 constexpr int kI8WholePanelRunRows = 10;
-constexpr int kI8WholePanelGroup = 4;  // all 4: 12 int32 and 12 fp32 accumulators at 3 rows
+constexpr int kI8WholePanelGroup = 4;
+constexpr int kI8WholePanelRegisterRows = 3;  // 12 int32 and 12 fp32 accumulators at 3 rows
 
 inline I8Input i8_input(const int8_t* x) { return reinterpret_cast<const int32_t*>(x); }
 inline I8Acc i8_start(int32_t offset) { return _mm512_set1_epi32(offset); }

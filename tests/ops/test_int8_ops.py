@@ -179,8 +179,9 @@ def test_linear_matches_reference(kernel, dtype, block, qmax, rows, out_features
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 20, 32, 47, 48, 49, 101])
 def test_linear_row_tiles_and_tasks(kernel, block, qmax, rows):
     """Row counts around the register tiles (2 to 6 rows, split evenly: 20 rows as 5, 5, 5, 5),
-    the calls whose tiles span the panel (up to 10 rows in tiles of up to 3 on the VNNI kernel:
-    7 rows as 3, 2, 2; up to 10 rows in tiles of up to 2 on AVX2), the 48-row task; SmolLM2's width."""
+    the calls whose tiles span the panel (up to 10 rows in tiles of up to 4 on the VNNI kernel,
+    those of 4 rows with their fp32 sums in L1: 7 rows as 4, 3; up to 10 rows in tiles of up to
+    2 on AVX2), the 48-row task; SmolLM2's width."""
     g = torch.Generator().manual_seed(rows)
     x = int8_blocks.quantize_activations(torch.randn(rows, 576, generator=g), block)
     weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, block, qmax)
