@@ -37,9 +37,10 @@ constexpr int kI8TileVectors = 2;
 // (Zen 4, 2026-11-27, eighth session). Since 2026-12-07 a tile of 4 rows spans the panel too,
 // its 16 int32 accumulators in registers and its fp32 sums in L1 (i8_sums_in_memory): one pass
 // over the panel where two 2-row tiles read it twice. Alternated against the build before
-// (weights in cache, SmolLM2's four projection shapes, Zen 4): 4 rows 0.88-0.97x the time, 7
-// rows (4 + 3) 0.94-1.0x, 10 rows (4 + 3 + 3) 0.97-0.98x, 8 rows (4 + 4 against 3 + 3 + 2)
-// alike; with tiles of 5 and 6 rows the same way, 5 and 6 rows took 1.0-1.09x.
+// (two rounds, weights in cache, SmolLM2's four projection shapes, Zen 4): 4 rows 0.77-0.97x
+// the time, 7 rows (4 + 3) 0.80-1.0x, 10 rows (4 + 3 + 3) 0.85-0.98x, 8 rows (4 + 4 against
+// 3 + 3 + 2) 0.81-1.05x, against 0.87-1.03x for 5 rows, whose tiles did not change; with
+// tiles of 5 and 6 rows the same way, 5 and 6 rows took 1.02-1.09x.
 constexpr int kI8WholePanelRows = 4;
 constexpr int kI8WholePanelRunRows = 10;
 constexpr int kI8WholePanelGroup = 4;
