@@ -66,6 +66,11 @@ struct Int8TypedKernels {
   // panel for narrow weights (offset 64) where the tier reads them its own way; nullptr where
   // panel serves them (it adds the offsets whatever they are).
   Int8PanelFn<T> narrow_panel = nullptr;
+  // panel, but a call whose rows one panel-spanning tile holds reads the weights with the
+  // hardware prefetcher alone, without the tile's software prefetches ahead
+  // (int8_linear_kernel.h); nullptr where the tier has no such variant. The driver takes it
+  // on the CPUs where that reads faster (int8_linear.cpp, lone_tiles_read_faster_unprefetched).
+  Int8PanelFn<T> panel_without_prefetch = nullptr;
 };
 
 struct Int8Kernels {

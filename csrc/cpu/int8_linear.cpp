@@ -74,6 +74,28 @@ const cpu::Int8Kernels* best_of(std::initializer_list<std::string_view> names) {
   return cpu::int8_generic_kernels();
 }
 
+// Whether a call of a few rows (one tile that spans the panel: up to 4 rows on the VNNI
+// kernel) reads its weights faster with the hardware prefetcher alone than with the tile's
+// software prefetches 8 KiB ahead (linear_tiles.h). On a Zen 4 it does: SmolLM2's int8 decode
+// steps with 1, 2 and 4 requests running took 0.89-0.92x, 0.92-0.96x and 0.92x the time
+// without them (two runs, each one process alternating both ways 8 and 10 times; medians of
+// the paired ratios, 2026-12-07). With 8 running (two 4-row tiles) dropping the first tile's
+// prefetches too made steps slower (1.13x), so calls of more rows keep them. With them a
+// thread read one row's weights at 16-17 GB/s inside a step (rdtsc around each thread's
+// share), at every projection size from 0.34 to 29 MB: a bound of each core's outstanding
+// misses, not of the calls' size or count. On an Emerald Rapids Xeon they made one row 5-40%
+// faster (2026-11-25, an earlier kernel), so Intel keeps them; on a Zen 5 (AMD family 1Ah)
+// dropping every prefetch made 8-row calls 1.9x slower (docs/design/experiments.md,
+// 2026-11-26), and one-tile calls alone were not tried there, so it keeps them too.
+bool lone_tiles_read_faster_unprefetched() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amdfam19h");
+#else
+  return false;
+#endif
+}
+
 // set_int8_kernel's choice; nullptr: the tier's. Read on every op call, as the tier is.
 std::atomic<const cpu::Int8Kernels*> forced_int8_kernel{nullptr};
 
@@ -244,9 +266,13 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
                 const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
                 const std::optional<at::Tensor>& bias, WeightOffset weight_offset) {
   const auto& typed_kernels = typed<T>(kernels);
-  const cpu::Int8PanelFn<T> panel = weight_offset.narrow() && typed_kernels.narrow_panel != nullptr
-                                        ? typed_kernels.narrow_panel
-                                        : typed_kernels.panel;
+  static const bool unprefetched = lone_tiles_read_faster_unprefetched();
+  cpu::Int8PanelFn<T> panel = typed_kernels.panel;
+  if (weight_offset.narrow() && typed_kernels.narrow_panel != nullptr) {
+    panel = typed_kernels.narrow_panel;
+  } else if (unprefetched && typed_kernels.panel_without_prefetch != nullptr) {
+    panel = typed_kernels.panel_without_prefetch;
+  }
   const int64_t rows = out.size(0), out_features = out.size(1);
   const int64_t panels = values.size(0), blocks = values.size(1);
   const int64_t panel_values = blocks * block_inputs * cpu::kInt8PanelColumns;

@@ -17,6 +17,9 @@
 //   kI8WholePanelGroup                    vectors such a tile sums at once (i8_group_vectors)
 //   kI8WholePanelRegisterRows             such tiles of more rows keep their fp32 sums over
 //                                         blocks in L1, not in registers (i8_sums_in_memory)
+//   kI8LoneTileWithoutPrefetch            whether the tier has panel_without_prefetch
+//                                         (int8_kernel_api.h): a call of one such tile
+//                                         without the prefetches ahead
 //   CONTBATCH_I8_NARROW_QUADS             optional: a Quads (below) for narrow weights
 //                                         (stored q + 64, |q| <= 64), where the section
 //                                         reads them another way (AVX2's)
@@ -88,15 +91,22 @@ inline void with_block_inputs(int64_t block_inputs, const F& f) {
   f(BlockInputs<kInt8Q8Block>{});
 }
 
+// A tile's prefetches (int8_tile's later_panel): kI8PrefetchAhead, the bytes of its own panel
+// kPanelPrefetchBytes on (linear_tiles.h); kI8PrefetchNone, none (the hardware prefetcher
+// alone); or a positive count: how many bytes on the weights of the panel read next lie,
+// for a tile that reads this panel from cache (not the run's first tile), which then
+// prefetches those instead of its own.
+constexpr int64_t kI8PrefetchAhead = 0;
+constexpr int64_t kI8PrefetchNone = -1;
+
 // out[MR, columns] for the column tile whose quad rows start at `values` (the stored
 // bytes), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
 // their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
-// 0, or how many bytes on the weights of the panel read next lie, for a tile that reads
-// this panel from cache (not the run's first tile): it then prefetches those instead of its own.
+// the tile's prefetches (above).
 template <int MR, int BLOCK, class Quads, class T>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                       int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                      int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
+                      int64_t out_stride, int64_t columns, int64_t later_panel = kI8PrefetchAhead) {
   constexpr int NV = i8_tile_vectors<MR>();
   constexpr bool kSumsInMemory = i8_sums_in_memory<MR>();
   Vec16 acc[MR][NV];
@@ -127,9 +137,9 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
         typename Quads::Weights w[G];
         for (int v = 0; v < G; ++v) w[v] = Quads::load(quad_row + 4 * kLanes * v);
         for (int v = 0; v < G; ++v) {
-          if (later_panel == 0) {
+          if (later_panel == kI8PrefetchAhead) {
             prefetch_panel_ahead(quad_row + 4 * kLanes * v);
-          } else {
+          } else if (later_panel > 0) {
             prefetch_later_panel(quad_row + 4 * kLanes * v + later_panel);
           }
         }
@@ -160,17 +170,18 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   store_tile(acc, bias, out, out_stride, columns);
 }
 
-// later_panel: int8_tile's, for every row tile but the first.
+// later_panel: int8_tile's, for every row tile but the first; first_tile: the first's.
 template <int kTileRows, int BLOCK, class Quads, class T>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                        int64_t rows, int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                       int64_t out_stride, int64_t columns, int64_t later_panel = 0) {
+                       int64_t out_stride, int64_t columns, int64_t later_panel = kI8PrefetchAhead,
+                       int64_t first_tile = kI8PrefetchAhead) {
   for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
     for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
       int8_tile<MR, BLOCK, Quads>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
                     values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0,
-                    out_stride, width, r == 0 ? 0 : later_panel);
+                    out_stride, width, r == 0 ? first_tile : later_panel);
     });
   });
 }
@@ -182,16 +193,19 @@ void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales,
 // themselves. Before, with 17-48 rows the first row tile waited on
 // DRAM while the others ran from cache with the memory idle: SmolLM2's 121 int8 projections
 // from DRAM took 17.4-17.8 ms at 32 rows against 11.2 with them in cache (Zen 4).
-template <int BLOCK, class Quads, class T>
+// kPrefetchLoneTile false: a call whose rows one such tile holds reads the panel with the
+// hardware prefetcher alone (Int8TypedKernels::panel_without_prefetch says where and why).
+template <int BLOCK, class Quads, bool kPrefetchLoneTile, class T>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                     int64_t out_stride, int64_t columns) {
   const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
-      return int8_row_tiles_of<kI8WholePanelRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks,
-                                                                values, scales, bias, out, out_stride, columns,
-                                                                next_panel);
+      const bool lone_tile = rows <= kI8WholePanelRows;
+      return int8_row_tiles_of<kI8WholePanelRows, BLOCK, Quads>(
+          x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride, columns, next_panel,
+          lone_tile && !kPrefetchLoneTile ? kI8PrefetchNone : kI8PrefetchAhead);
     }
   }
   int8_row_tiles_of<kI8TileRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias,
@@ -200,13 +214,13 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, co
 
 // No tier reads a copy of the panel now (AVX2's vpmaddwd kernel read one widened to int16
 // until 2026-12-02): `scratch` goes unused.
-template <class T, class Quads = I8StoredQuads>
+template <class T, class Quads = I8StoredQuads, bool kPrefetchLoneTile = true>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                 int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
   with_block_inputs(block_inputs, [&](auto block) {
-    int8_row_tiles<decltype(block)::size, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias,
-                                                 out, out_stride, columns);
+    int8_row_tiles<decltype(block)::size, Quads, kPrefetchLoneTile>(x, x_stride, x_scales, x_offsets, rows, blocks,
+                                                                    values, scales, bias, out, out_stride, columns);
   });
 }
 
@@ -275,9 +289,17 @@ template <class T>
 constexpr Int8PanelFn<T> kI8NarrowPanel = nullptr;
 #endif
 
+// Int8TypedKernels::panel_without_prefetch: where the section's kI8LoneTileWithoutPrefetch
+// asks for it (and it has tiles that span the panel).
+template <class T>
+constexpr Int8PanelFn<T> kI8PanelWithoutPrefetch =
+    kI8LoneTileWithoutPrefetch && kI8WholePanelRows > 0 ? &int8_panel<T, I8StoredQuads, false> : nullptr;
+
 constexpr Int8TypedKernels<float> kInt8Fp32{&int8_panel<float>, &int8_quantize_row<float>,
-                                            &int8_quantize_kv_row<float>, kI8NarrowPanel<float>};
+                                            &int8_quantize_kv_row<float>, kI8NarrowPanel<float>,
+                                            kI8PanelWithoutPrefetch<float>};
 constexpr Int8TypedKernels<uint16_t> kInt8Bf16{&int8_panel<uint16_t>, &int8_quantize_row<uint16_t>,
-                                               &int8_quantize_kv_row<uint16_t>, kI8NarrowPanel<uint16_t>};
+                                               &int8_quantize_kv_row<uint16_t>, kI8NarrowPanel<uint16_t>,
+                                               kI8PanelWithoutPrefetch<uint16_t>};
 constexpr Int8Kernels kTierTable{CONTBATCH_TIER_NAME, kI8TileRows, &kInt8Fp32,
                                  &kInt8Bf16,          &int8_scratch_bytes, kVectorRunRows};

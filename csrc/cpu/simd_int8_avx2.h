@@ -68,6 +68,7 @@ constexpr int kI8WholePanelRows = 2;
 constexpr int kI8WholePanelRunRows = 10;
 constexpr int kI8WholePanelGroup = 1;
 constexpr int kI8WholePanelRegisterRows = kI8WholePanelRows;  // sums in registers
+constexpr bool kI8LoneTileWithoutPrefetch = false;  // not measured without them (Zen 3)
 
 inline I8Input i8_input(const int8_t* x) { return _mm256_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(int32_t /*offset: the products are of q, not q + 128*/) {

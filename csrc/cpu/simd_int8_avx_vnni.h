@@ -31,6 +31,7 @@ constexpr int kI8WholePanelRows = 0;  // no tile spans the panel (int8_linear_ke
 constexpr int kI8WholePanelRunRows = 0;
 constexpr int kI8WholePanelGroup = 1;
 constexpr int kI8WholePanelRegisterRows = kI8WholePanelRows;  // sums in registers
+constexpr bool kI8LoneTileWithoutPrefetch = false;  // no tile spans the panel
 
 inline I8Input i8_input(const int8_t* x) { return _mm256_set1_epi32(int(i8_quad(x))); }
 inline I8Acc i8_start(int32_t offset) {
