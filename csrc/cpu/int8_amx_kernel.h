@@ -65,7 +65,8 @@ void amx_int8_rows16(const int8_t* x, int64_t x_stride, const float* x_scales, c
 template <class T>
 void amx_int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, [[maybe_unused]] int64_t block_inputs, const uint8_t* values, const uint16_t* scales,
-                    const T* bias, T* out, int64_t out_stride, int64_t columns, void* scratch) {
+                    const T* bias, T* out, int64_t out_stride, int64_t columns, void* scratch,
+                    [[maybe_unused]] const uint8_t* next_values) {
   configure_tiles();
   char* bytes = static_cast<char*>(scratch) + kInt8ScratchHeader;
   auto* sums = reinterpret_cast<float*>(bytes);

@@ -43,7 +43,7 @@ template <class T>  // T: float or uint16_t (bf16 bits), the activations' and ou
 using Int8PanelFn = void (*)(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                              int64_t rows, int64_t blocks, int64_t block_inputs, const uint8_t* values,
                              const uint16_t* scales, const T* bias, T* out, int64_t out_stride, int64_t columns,
-                             void* scratch);
+                             void* scratch, const uint8_t* next_values);
 
 template <class T>
 struct Int8TypedKernels {
@@ -54,6 +54,9 @@ struct Int8TypedKernels {
   // scales, summed over blocks in fp32 and rounded to T once, after the bias. `scratch`
   // holds int8_scratch_bytes(blocks * block_inputs), 64-byte aligned, private to the calling
   // thread, its header zeroed by the driver before the thread's first task of the call.
+  // next_values: the packed weights of the panel the calling thread reads after this one in
+  // the call (the next in memory), which a kernel may prefetch while it reads this one from
+  // cache; nullptr where the thread reads no other (its last task of the call).
   Int8PanelFn<T> panel;
   // One row of in_features inputs into blocks of block_inputs (int8_block_served): scale =
   // max|x| / 127, q = round-half-even(x * (127 / max|x|)), zero past in_features up to whole

@@ -288,11 +288,15 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
   for_panel_runs(rows, panels, kernels.tile_rows, kernels.scratch_bytes(blocks * block_inputs),
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
+                   // No prefetching past the thread's share: the other thread's first panel or another
+                   // tensor (int8_linear_kernel.h, int8_row_tiles).
+                   const bool next_is_read = !run.last && run.panel + 1 < panels;
                    panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
                                 run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,
                                 b == nullptr ? nullptr : b + column0,
                                 o + run.row0 * out.stride(0) + column0, out.stride(0),
-                                std::min(cpu::kInt8PanelColumns, out_features - column0), scratch);
+                                std::min(cpu::kInt8PanelColumns, out_features - column0), scratch,
+                                next_is_read ? w + (run.panel + 1) * panel_values : nullptr);
                  },
                  kernels.run_rows);
 }

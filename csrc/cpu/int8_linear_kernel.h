@@ -91,22 +91,24 @@ inline void with_block_inputs(int64_t block_inputs, const F& f) {
   f(BlockInputs<kInt8Q8Block>{});
 }
 
-// A tile's prefetches (int8_tile's later_panel): kI8PrefetchAhead, the bytes of its own panel
-// kPanelPrefetchBytes on (linear_tiles.h); kI8PrefetchNone, none (the hardware prefetcher
-// alone); or a positive count: how many bytes on the weights of the panel read next lie,
-// for a tile that reads this panel from cache (not the run's first tile), which then
-// prefetches those instead of its own.
-constexpr int64_t kI8PrefetchAhead = 0;
-constexpr int64_t kI8PrefetchNone = -1;
+// What a tile prefetches as it reads its quad rows (linear_tiles.h): with `ahead`, its own
+// panel kPanelPrefetchBytes on, into L1 (the tile that reads the panel from memory); and into
+// L2, `next_lines` 64-byte lines from `next` on, spread evenly over its steps (its share of
+// the panel the thread reads next: int8_row_tiles_of).
+struct I8TilePrefetch {
+  bool ahead = true;
+  const uint8_t* next = nullptr;
+  int64_t next_lines = 0;
+};
 
 // out[MR, columns] for the column tile whose quad rows start at `values` (the stored
 // bytes), its scales at `scales`; rows of staged inputs from x (x_stride bytes apart),
-// their block scales and offsets from x_scales and x_offsets ([MR][blocks]). later_panel:
-// the tile's prefetches (above).
+// their block scales and offsets from x_scales and x_offsets ([MR][blocks]); its prefetches
+// as `prefetch` says (above).
 template <int MR, int BLOCK, class Quads, class T>
 inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                       int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                      int64_t out_stride, int64_t columns, int64_t later_panel = kI8PrefetchAhead) {
+                      int64_t out_stride, int64_t columns, I8TilePrefetch prefetch) {
   constexpr int NV = i8_tile_vectors<MR>();
   constexpr bool kSumsInMemory = i8_sums_in_memory<MR>();
   Vec16 acc[MR][NV];
@@ -124,6 +126,10 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   }
   constexpr int G = i8_group_vectors<MR>();
   static_assert(NV % G == 0, "vector groups must divide the tile");
+  // A step (a quad row of one group of vectors) prefetches a line of the next panel each time
+  // its steps have been owed next_lines / steps of one.
+  const int64_t steps = blocks * kBlockQuads<BLOCK> * (NV / G);
+  int64_t owed = 0, next_line = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int g = 0; g < NV; g += G) {  // the block's quad rows, G vectors' columns at a time
       I8Acc block_acc[MR][G];
@@ -136,12 +142,11 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
         const uint8_t* quad_row = values + (b * kBlockQuads<BLOCK> + q) * kQuadRowBytes + 4 * kLanes * g;
         typename Quads::Weights w[G];
         for (int v = 0; v < G; ++v) w[v] = Quads::load(quad_row + 4 * kLanes * v);
-        for (int v = 0; v < G; ++v) {
-          if (later_panel == kI8PrefetchAhead) {
-            prefetch_panel_ahead(quad_row + 4 * kLanes * v);
-          } else if (later_panel > 0) {
-            prefetch_later_panel(quad_row + 4 * kLanes * v + later_panel);
-          }
+        if (prefetch.ahead) {
+          for (int v = 0; v < G; ++v) prefetch_panel_ahead(quad_row + 4 * kLanes * v);
+        }
+        for (owed += prefetch.next_lines; owed >= steps; owed -= steps) {
+          prefetch_later_panel(prefetch.next + 64 * next_line++);
         }
         for (int m = 0; m < MR; ++m) {
           const I8Input input = i8_input(x + m * x_stride + (b * kBlockQuads<BLOCK> + q) * kInputQuadBytes);
@@ -170,46 +175,73 @@ inline void int8_tile(const int8_t* x, int64_t x_stride, const float* x_scales, 
   store_tile(acc, bias, out, out_stride, columns);
 }
 
-// later_panel: int8_tile's, for every row tile but the first; first_tile: the first's.
+// A call's rows over one panel in balanced tiles of kTileRows rows, each over the panel's
+// column tiles. The first row tile reads the panel from memory, prefetching it ahead where
+// read_ahead says so. A run of one row tile leaves the next panel alone. In a run of more, the
+// next panel (next_values; nullptr: none) goes into L2 in equal shares of its lines, one to
+// each tile (the first row tile's too), each spread over the tile's reading; once the run
+// before has brought this panel in, every tile reads it from cache. Before (to 2026-12-07),
+// each tile after the first prefetched the whole next panel, so with 2-3 spanning tiles
+// (5-10 rows) memory worked while the later tiles ran and idled through the first's compute.
+// Zen 4, thirtieth session, both ways alternated in one process (medians of paired ratios):
+// SmolLM2's int8 decode steps at 6 / 8 / 10 running took 0.91x / 0.94x / 0.90x the time, at
+// 16 / 32 / 64 / 128 / 256 (the tier's tiles) 1.00x / 0.95x / 0.96x / 1.00x / 1.02x; the AVX2
+// kernel there (spanning tiles of 2 rows) 0.95-0.97x at 4, 0.85-0.93x at 8 and 0.84-0.91x at
+// 16. The sixth and eighth sessions had tried shares with 2- and 3-row spanning tiles and
+// found 8-16 rows slower or unchanged (docs/design/experiments.md); why it differs now is not
+// measured. Where the thread's share of the call ends, next_values is nullptr: what follows
+// in memory is another thread's first panel or another tensor, and prefetching it took
+// bandwidth from the call (with the shares, dropping it made 6-8 running 0.95-0.99x the time).
 template <int kTileRows, int BLOCK, class Quads, class T>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                        int64_t rows, int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                       int64_t out_stride, int64_t columns, int64_t later_panel = kI8PrefetchAhead,
-                       int64_t first_tile = kI8PrefetchAhead) {
+                       int64_t out_stride, int64_t columns, bool read_ahead, const uint8_t* next_values) {
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  int64_t tiles = 0;  // row tiles x their column tiles
+  for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t) {
+    constexpr int64_t kColumns = i8_tile_vectors<decltype(tile)::size>() * kLanes;
+    tiles += (columns + kColumns - 1) / kColumns;
+  });
+  const int64_t panel_lines = blocks * kBlockQuads<BLOCK> * kQuadRowBytes / 64;
+  const int64_t share = row_tiles > 1 && next_values != nullptr ? (panel_lines + tiles - 1) / tiles : 0;
+  int64_t shared = 0;  // lines of the next panel handed out so far
   for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t r) {
     constexpr int MR = decltype(tile)::size;
     for_column_tiles<i8_tile_vectors<MR>() * kLanes>(columns, [&](int64_t c0, int64_t width) {
+      I8TilePrefetch prefetch{r == 0 && read_ahead};
+      if (share > 0) {
+        prefetch.next = next_values + 64 * shared;
+        prefetch.next_lines = share < panel_lines - shared ? share : panel_lines - shared;
+        shared += prefetch.next_lines;
+      }
       int8_tile<MR, BLOCK, Quads>(x + r * x_stride, x_stride, x_scales + r * blocks, x_offsets + r * blocks, blocks,
-                    values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0, out + r * out_stride + c0,
-                    out_stride, width, r == 0 ? first_tile : later_panel);
+                                  values + 4 * c0, scales + c0, bias == nullptr ? nullptr : bias + c0,
+                                  out + r * out_stride + c0, out_stride, width, prefetch);
     });
   });
 }
 
 // Up to kI8WholePanelRunRows rows (a call bound by reading the weights), tiles that span the
-// panel, the first reading it in address order and the others from cache while they prefetch
-// the next panel in memory (a thread's next call reads it: panel_runs.h); more, the tier's
-// tiles, which prefetch the next panel the same way where they read the packed weights
-// themselves. Before, with 17-48 rows the first row tile waited on
-// DRAM while the others ran from cache with the memory idle: SmolLM2's 121 int8 projections
-// from DRAM took 17.4-17.8 ms at 32 rows against 11.2 with them in cache (Zen 4).
+// panel, the first reading it in address order; more, the tier's tiles. Before, with 17-48
+// rows the first row tile waited on DRAM while the others ran from cache with the memory
+// idle: SmolLM2's 121 int8 projections from DRAM took 17.4-17.8 ms at 32 rows against 11.2
+// with them in cache (Zen 4), hence the next panel's prefetches (int8_row_tiles_of).
 // kPrefetchLoneTile false: a call whose rows one such tile holds reads the panel with the
 // hardware prefetcher alone (Int8TypedKernels::panel_without_prefetch says where and why).
 template <int BLOCK, class Quads, bool kPrefetchLoneTile, class T>
 void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                     int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                    int64_t out_stride, int64_t columns) {
-  const int64_t next_panel = blocks * kBlockQuads<BLOCK> * kQuadRowBytes;  // bytes
+                    int64_t out_stride, int64_t columns, const uint8_t* next_values) {
   if constexpr (kI8WholePanelRows > 0) {
     if (rows <= kI8WholePanelRunRows) {
-      const bool lone_tile = rows <= kI8WholePanelRows;
-      return int8_row_tiles_of<kI8WholePanelRows, BLOCK, Quads>(
-          x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias, out, out_stride, columns, next_panel,
-          lone_tile && !kPrefetchLoneTile ? kI8PrefetchNone : kI8PrefetchAhead);
+      return int8_row_tiles_of<kI8WholePanelRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values,
+                                                                scales, bias, out, out_stride, columns,
+                                                                kPrefetchLoneTile || rows > kI8WholePanelRows,
+                                                                next_values);
     }
   }
   int8_row_tiles_of<kI8TileRows, BLOCK, Quads>(x, x_stride, x_scales, x_offsets, rows, blocks, values, scales, bias,
-                                               out, out_stride, columns, next_panel);
+                                               out, out_stride, columns, true, next_values);
 }
 
 // No tier reads a copy of the panel now (AVX2's vpmaddwd kernel read one widened to int16
@@ -217,10 +249,11 @@ void int8_row_tiles(const int8_t* x, int64_t x_stride, const float* x_scales, co
 template <class T, class Quads = I8StoredQuads, bool kPrefetchLoneTile = true>
 void int8_panel(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets, int64_t rows,
                 int64_t blocks, int64_t block_inputs, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
-                int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch) {
+                int64_t out_stride, int64_t columns, [[maybe_unused]] void* scratch, const uint8_t* next_values) {
   with_block_inputs(block_inputs, [&](auto block) {
     int8_row_tiles<decltype(block)::size, Quads, kPrefetchLoneTile>(x, x_stride, x_scales, x_offsets, rows, blocks,
-                                                                    values, scales, bias, out, out_stride, columns);
+                                                                    values, scales, bias, out, out_stride, columns,
+                                                                    next_values);
   });
 }
 

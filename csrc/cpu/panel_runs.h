@@ -25,6 +25,7 @@ struct PanelRun {
   int64_t panel;
   int64_t row0;
   int64_t rows;
+  bool last;  // the thread's last run of the call: what follows in memory is not its to read
 };
 
 // Rows per kernel call at most, unless a kernel says otherwise (cpu::LinearKernels::run_rows).
@@ -58,7 +59,7 @@ void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scr
     for (int64_t unit = begin; unit < end;) {
       const int64_t panel = unit / tiles, row0 = unit % tiles * tile_rows;
       const int64_t stop = std::min({end, (panel + 1) * tiles, unit + max_run_tiles});
-      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0}, scratch);
+      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0, stop == end}, scratch);
       unit = stop;
     }
   });
