@@ -289,7 +289,7 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
                  [&](PanelRun run, void* scratch) {
                    const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
                    // No prefetching past the thread's share: the other thread's first panel or another
-                   // tensor (int8_linear_kernel.h, int8_row_tiles).
+                   // tensor (int8_linear_kernel.h, int8_row_tiles_of).
                    const bool next_is_read = !run.last && run.panel + 1 < panels;
                    panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
                                 run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,

@@ -196,10 +196,10 @@ template <int kTileRows, int BLOCK, class Quads, class T>
 void int8_row_tiles_of(const int8_t* x, int64_t x_stride, const float* x_scales, const int32_t* x_offsets,
                        int64_t rows, int64_t blocks, const uint8_t* values, const uint16_t* scales, const T* bias, T* out,
                        int64_t out_stride, int64_t columns, bool read_ahead, const uint8_t* next_values) {
-  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
-  int64_t tiles = 0;  // row tiles x their column tiles
+  int64_t row_tiles = 0, tiles = 0;  // tiles: the row tiles' column tiles, all told
   for_balanced_row_tiles<kTileRows>(rows, [&](auto tile, int64_t) {
     constexpr int64_t kColumns = i8_tile_vectors<decltype(tile)::size>() * kLanes;
+    ++row_tiles;
     tiles += (columns + kColumns - 1) / kColumns;
   });
   const int64_t panel_lines = blocks * kBlockQuads<BLOCK> * kQuadRowBytes / 64;
