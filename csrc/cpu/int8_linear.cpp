@@ -131,20 +131,28 @@ void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shap
                     shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
 }
 
-// Quantizes input's rows into q [rows][blocks * block_inputs] and s [rows][blocks], in
-// blocks of block_inputs, handing each row's index to then(r) once it is quantized.
+// Quantizes input's rows [begin, end) into q [rows][blocks * block_inputs] and s
+// [rows][blocks], in blocks of block_inputs, handing each row's index to then(r) once it is
+// quantized.
 template <class T, class Then>
-void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q, float* s,
-                   const Then& then) {
+void quantize_row_range(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q,
+                        float* s, int64_t begin, int64_t end, const Then& then) {
   const auto& kernel = typed<T>(kernels);
   const auto* x = static_cast<const T*>(input.data_ptr());
   const int64_t in_features = input.size(1), blocks = (in_features + block_inputs - 1) / block_inputs;
   const int64_t padded = blocks * block_inputs;
+  for (int64_t r = begin; r < end; ++r) {
+    kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
+    then(r);
+  }
+}
+
+// quantize_row_range over all of input's rows, split over the threads.
+template <class T, class Then>
+void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q, float* s,
+                   const Then& then) {
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
-      then(r);
-    }
+    quantize_row_range<T>(kernels, input, block_inputs, q, s, begin, end, then);
   });
 }
 
@@ -201,11 +209,15 @@ class Staging {
   Staging(int64_t rows, int64_t blocks, int64_t block_inputs, int32_t weight_offset, at::Tensor& storage)
       : blocks_(blocks), block_inputs_(block_inputs), row_inputs_(blocks * block_inputs),
         weight_offset_(weight_offset) {
-    const int64_t scales_at = aligned64(rows * blocks * 4), values_at = scales_at + aligned64(rows * blocks * 4);
-    char* memory = staging_memory(values_at + aligned64(rows * row_inputs_), storage);
+    char* memory = staging_memory(bytes(rows, blocks, block_inputs), storage);
     offsets_ = reinterpret_cast<int32_t*>(memory);
-    scales = reinterpret_cast<float*>(memory + scales_at);
-    values = reinterpret_cast<int8_t*>(memory + values_at);
+    scales = reinterpret_cast<float*>(memory + scales_at(rows, blocks));
+    values = reinterpret_cast<int8_t*>(memory + values_at(rows, blocks));
+  }
+
+  // The staging memory of a call of `rows` rows.
+  static int64_t bytes(int64_t rows, int64_t blocks, int64_t block_inputs) {
+    return values_at(rows, blocks) + aligned64(rows * blocks * block_inputs);
   }
 
   // Row r's offsets from its quantized values.
@@ -226,6 +238,9 @@ class Staging {
   int8_t* values;  // [rows][row_inputs], likewise
 
  private:
+  static int64_t scales_at(int64_t rows, int64_t blocks) { return aligned64(rows * blocks * 4); }
+  static int64_t values_at(int64_t rows, int64_t blocks) { return scales_at(rows, blocks) + aligned64(rows * blocks * 4); }
+
   int64_t blocks_, block_inputs_, row_inputs_;
   int32_t weight_offset_;
   int32_t* offsets_;
@@ -254,6 +269,62 @@ StagedInputs stage(const at::Tensor& x_values, const at::Tensor& x_scales, int64
   return staging.inputs(values, x_scales.data_ptr<float>());
 }
 
+// A call's inputs as its threads read them: staged once for all of them, or quantized and
+// staged by each thread into its own buffer (stages_per_thread says when and why).
+class CallInputs {
+ public:
+  explicit CallInputs(StagedInputs staged) : staged_(staged) {}
+  // input's rows, quantized by kernels' quantize_row in blocks of block_inputs.
+  CallInputs(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int32_t weight_offset)
+      : kernels_(&kernels), input_(&input), block_inputs_(block_inputs), weight_offset_(weight_offset) {}
+
+  // The staging the calling thread reads: where each thread stages its own, quantized now
+  // into the thread's buffer (call once per thread and call).
+  template <class T>
+  StagedInputs for_thread() const {
+    if (input_ == nullptr) return staged_;
+    const int64_t rows = input_->size(0), blocks = (input_->size(1) + block_inputs_ - 1) / block_inputs_;
+    at::Tensor unused;  // the staging fits the thread's buffer (stages_per_thread)
+    const Staging staging(rows, blocks, block_inputs_, weight_offset_, unused);
+    quantize_row_range<T>(*kernels_, *input_, block_inputs_, staging.values, staging.scales, 0, rows,
+                          [&](int64_t r) { staging.stage_row(r, staging.values + r * blocks * block_inputs_); });
+    return staging.inputs(staging.values, staging.scales);
+  }
+
+ private:
+  StagedInputs staged_{};
+  const cpu::Int8Kernels* kernels_ = nullptr;
+  const at::Tensor* input_ = nullptr;  // nullptr: staged_ serves every thread
+  int64_t block_inputs_ = 0;
+  int32_t weight_offset_ = 0;
+};
+
+// Each thread of an int8_quantize_linear call of kFewestRestagedRows rows or more quantizes
+// and stages every row itself (stages_per_thread), while the threads after the first would
+// quantize at most kRestagedRows rows again between them: up to 256 rows on two threads, 128
+// on three, 16 on seventeen.
+constexpr int64_t kFewestRestagedRows = 3;
+constexpr int64_t kRestagedRows = 256;
+
+// Whether each thread of an int8_quantize_linear call quantizes and stages every row itself,
+// into its own buffer, rather than all of them reading one staging: written by the calling
+// thread alone up to 16 rows, by each thread for its share of the rows above. Up to 16 rows
+// the other threads waited while the calling thread quantized, so quantizing on all of them
+// costs no time there; above, each quantizes every row where it quantized its share.
+// Reading a staging that another core wrote is what costs: on a Zen 4 (thirty-first session,
+// docs/performance.md), SmolLM2's int8 decode steps with the threads reading a stale staging
+// (wrong results, a probe) took 0.80-0.88x the time at 8 running when those steps were in
+// their slow state (9.5-10 ms) and 0.93-0.98x otherwise; prefetching the staging as each
+// thread started recovered none of it (0.98x). Staging on every thread, both ways alternated
+// in one process (medians of paired ratios): 3 / 4 / 8 running 0.98x / 0.91x / 0.91x the
+// time, 16 / 64 / 256 running 0.84x / 0.97x / 0.92x; 1 and 2 running 1.007-1.011x in three
+// runs each (a row or two of bf16 read from the other core where the staging was less), so
+// calls of fewer than 3 rows keep the one staging.
+bool stages_per_thread(int64_t rows, int64_t blocks, int64_t block_inputs) {
+  return rows >= kFewestRestagedRows && rows * (at::get_num_threads() - 1) <= kRestagedRows &&
+         Staging::bytes(rows, blocks, block_inputs) <= kReusedStagingBytes;
+}
+
 // The weight's offset and what it allows (int8_kernel_api.h).
 struct WeightOffset {
   int32_t value;  // kInt8WeightOffset, or kInt8NarrowOffset: narrow weights
@@ -262,7 +333,7 @@ struct WeightOffset {
 
 // block_inputs: values' block, which the inputs were quantized in.
 template <class T>
-void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedInputs& inputs,
+void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const CallInputs& inputs,
                 const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
                 const std::optional<at::Tensor>& bias, WeightOffset weight_offset) {
   const auto& typed_kernels = typed<T>(kernels);
@@ -277,28 +348,25 @@ void run_panels(const cpu::Int8Kernels& kernels, at::Tensor& out, const StagedIn
   const int64_t panels = values.size(0), blocks = values.size(1);
   const int64_t panel_values = blocks * block_inputs * cpu::kInt8PanelColumns;
   const int64_t panel_scales = blocks * cpu::kInt8PanelColumns;
-  const int8_t* x = inputs.values;
-  const int64_t x_stride = inputs.stride;
-  const float* xs = inputs.scales;
-  const int32_t* xo = inputs.offsets;
   const auto* w = values.data_ptr<uint8_t>();
   const auto* ws = static_cast<const uint16_t*>(scales.data_ptr());
   const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
   auto* o = static_cast<T*>(out.data_ptr());
-  for_panel_runs(rows, panels, kernels.tile_rows, kernels.scratch_bytes(blocks * block_inputs),
-                 [&](PanelRun run, void* scratch) {
-                   const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
-                   // No prefetching past the thread's share: the other thread's first panel or another
-                   // tensor (int8_linear_kernel.h, int8_row_tiles_of).
-                   const bool next_is_read = !run.last && run.panel + 1 < panels;
-                   panel(x + run.row0 * x_stride, x_stride, xs + run.row0 * blocks, xo + run.row0 * blocks,
-                                run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,
-                                b == nullptr ? nullptr : b + column0,
-                                o + run.row0 * out.stride(0) + column0, out.stride(0),
-                                std::min(cpu::kInt8PanelColumns, out_features - column0), scratch,
-                                next_is_read ? w + (run.panel + 1) * panel_values : nullptr);
-                 },
-                 kernels.run_rows);
+  for_panel_runs_started(
+      rows, panels, kernels.tile_rows, kernels.scratch_bytes(blocks * block_inputs),
+      [&] { return inputs.for_thread<T>(); },
+      [&](PanelRun run, void* scratch, const StagedInputs& x) {
+        const int64_t column0 = run.panel * cpu::kInt8PanelColumns;
+        // No prefetching past the thread's share: the other thread's first panel or another
+        // tensor (int8_linear_kernel.h, int8_row_tiles_of).
+        const bool next_is_read = !run.last && run.panel + 1 < panels;
+        panel(x.values + run.row0 * x.stride, x.stride, x.scales + run.row0 * blocks, x.offsets + run.row0 * blocks,
+              run.rows, blocks, block_inputs, w + run.panel * panel_values, ws + run.panel * panel_scales,
+              b == nullptr ? nullptr : b + column0, o + run.row0 * out.stride(0) + column0, out.stride(0),
+              std::min(cpu::kInt8PanelColumns, out_features - column0), scratch,
+              next_is_read ? w + (run.panel + 1) * panel_values : nullptr);
+      },
+      kernels.run_rows);
 }
 
 // Calls of this many rows or more of 64-input blocks take the AMX kernel where it runs
@@ -316,7 +384,7 @@ const cpu::Int8Kernels& panel_kernels(const cpu::Int8Kernels& kernels, int64_t r
   return kernels;
 }
 
-void run_panels_typed(const cpu::Int8Kernels& staged_for, at::Tensor& out, const StagedInputs& inputs,
+void run_panels_typed(const cpu::Int8Kernels& staged_for, at::Tensor& out, const CallInputs& inputs,
                       const at::Tensor& values, int64_t block_inputs, const at::Tensor& scales,
                       const std::optional<at::Tensor>& bias, WeightOffset weight_offset) {
   const cpu::Int8Kernels& kernels = panel_kernels(staged_for, out.size(0), block_inputs);
@@ -381,7 +449,7 @@ void int8_linear_cpu(at::Tensor& out, const at::Tensor& x_values, const at::Tens
   if (rows == 0 || out.size(1) == 0) return;
   const cpu::Int8Kernels& kernels = active_int8_kernels();
   at::Tensor storage;
-  run_panels_typed(kernels, out, stage(x_values, x_scales, block_inputs, offset.value, storage), values,
+  run_panels_typed(kernels, out, CallInputs(stage(x_values, x_scales, block_inputs, offset.value, storage)), values,
                    block_inputs, scales, bias, offset);
 }
 
@@ -404,11 +472,15 @@ void int8_quantize_linear_cpu(at::Tensor& out, const at::Tensor& input, const at
                     (blocks - 1) * block_inputs + 1, " to ", blocks * block_inputs);
   if (out.size(0) == 0 || out.size(1) == 0) return;
   const cpu::Int8Kernels& kernels = active_int8_kernels();  // one kernel table for both steps
+  if (stages_per_thread(input.size(0), blocks, block_inputs)) {
+    return run_panels_typed(kernels, out, CallInputs(kernels, input, block_inputs, offset.value), values,
+                            block_inputs, scales, bias, offset);
+  }
   at::Tensor storage;
   const StagedInputs inputs = input.scalar_type() == at::kFloat
                                   ? quantize_and_stage<float>(kernels, input, block_inputs, offset.value, storage)
                                   : quantize_and_stage<uint16_t>(kernels, input, block_inputs, offset.value, storage);
-  run_panels_typed(kernels, out, inputs, values, block_inputs, scales, bias, offset);
+  run_panels_typed(kernels, out, CallInputs(inputs), values, block_inputs, scales, bias, offset);
 }
 
 std::string int8_kernel_isa() { return active_int8_kernels().name; }

@@ -43,26 +43,37 @@ char* thread_buffer(int64_t bytes) {
   return lines.front().bytes;
 }
 
-// Runs every panel x row tile of a call on the thread pool: each thread calls run(PanelRun,
-// scratch) over its range in order, at most max_run_rows rows a call. `scratch`:
-// scratch_bytes, 64-byte aligned, private to the thread and kept across calls, its first 64
-// bytes (the kernels' header: which panel the scratch holds widened) zeroed before the
-// thread's first run of the call.
-template <class Run>
-void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run,
-                    int64_t max_run_rows = kMaxPanelRunRows) {
+// Runs every panel x row tile of a call on the thread pool: each thread calls start() once,
+// then run(PanelRun, scratch, started) over its range in order, at most max_run_rows rows a
+// call, `started` being what its start() returned. `scratch`: scratch_bytes, 64-byte aligned,
+// private to the thread and kept across calls, its first 64 bytes (the kernels' header: which
+// panel the scratch holds widened) zeroed before the thread's first run of the call.
+template <class Start, class Run>
+void for_panel_runs_started(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes,
+                            const Start& start, const Run& run, int64_t max_run_rows = kMaxPanelRunRows) {
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;  // per panel
   const int64_t max_run_tiles = std::max<int64_t>(1, max_run_rows / tile_rows);
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
     char* scratch = thread_buffer<Run>(scratch_bytes);
     std::memset(scratch, 0, 64);
+    const auto started = start();
     for (int64_t unit = begin; unit < end;) {
       const int64_t panel = unit / tiles, row0 = unit % tiles * tile_rows;
       const int64_t stop = std::min({end, (panel + 1) * tiles, unit + max_run_tiles});
-      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0, stop == end}, scratch);
+      run(PanelRun{panel, row0, std::min(rows, (stop - panel * tiles) * tile_rows) - row0, stop == end}, scratch,
+          started);
       unit = stop;
     }
   });
+}
+
+// for_panel_runs_started with nothing to start: run(PanelRun, scratch).
+template <class Run>
+void for_panel_runs(int64_t rows, int64_t panels, int64_t tile_rows, int64_t scratch_bytes, const Run& run,
+                    int64_t max_run_rows = kMaxPanelRunRows) {
+  for_panel_runs_started(
+      rows, panels, tile_rows, scratch_bytes, [] { return 0; },
+      [&](PanelRun panel_run, void* scratch, int) { run(panel_run, scratch); }, max_run_rows);
 }
 
 }  // namespace contbatch

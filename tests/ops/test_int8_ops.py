@@ -33,6 +33,7 @@ from tests.ops.paged_batch import (
     assert_same_at_every_thread_count,
     cpu_isa,
     int8_kernel_params,
+    num_threads,
     require_native,
     use_int8_kernel,
 )
@@ -207,6 +208,29 @@ def test_fused_op_is_the_same_at_every_thread_count(kernel, rows):
         return out
 
     assert_same_at_every_thread_count(call)
+
+
+@pytest.mark.parametrize("kernel", int8_kernel_params())
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("qmax", QMAXES)
+def test_fused_op_equals_quantizing_first_however_its_threads_stage(kernel, threads, qmax):
+    """The fused op's threads each quantize and stage a call's rows themselves from 3 rows up
+    to a count that falls with the thread count (256 rows on two threads, 128 on three), and
+    read one staging otherwise; either way the result is int8_quantize_rows then
+    int8_linear's, bit for bit, at counts on both sides of each limit."""
+    g = torch.Generator().manual_seed(threads)
+    weight = quantize_weight(torch.randn(130, 576, generator=g) * 0.05, 64, qmax)
+    packed = pack_int8(weight, narrow=qmax == int8_blocks.NARROW_QMAX)
+    for rows in (1, 2, 3, 9, 16, 17, 128, 129, 256, 257, 300):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        fused = torch.full((rows, 130), float("nan"), dtype=torch.bfloat16)
+        unfused = torch.full((rows, 130), float("nan"), dtype=torch.bfloat16)
+        with use_int8_kernel(kernel), num_threads(threads):
+            native.int8_quantize_linear(fused, x, packed.values, packed.scales, None, packed.offset)
+            x_values, x_scales = native.int8_quantize_rows(x, 64)
+            native.int8_linear(unfused, x_values, x_scales, packed.values, packed.scales, None, packed.offset)
+        assert not unfused.isnan().any(), f"{rows} rows: an output element was never written"
+        assert torch.equal(fused, unfused), f"{rows} rows on {threads} threads"
 
 
 @pytest.mark.parametrize("kernel", int8_kernel_params())
