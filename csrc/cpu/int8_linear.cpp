@@ -131,28 +131,20 @@ void check_exact(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shap
                     shape, ", got ", dtype_name(t.scalar_type()), " ", t.sizes(), " on ", t.device());
 }
 
-// Quantizes input's rows [begin, end) into q [rows][blocks * block_inputs] and s
-// [rows][blocks], in blocks of block_inputs, handing each row's index to then(r) once it is
-// quantized.
+// Quantizes input's rows into q [rows][blocks * block_inputs] and s [rows][blocks], in
+// blocks of block_inputs, handing each row's index to then(r) once it is quantized.
 template <class T, class Then>
-void quantize_row_range(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q,
-                        float* s, int64_t begin, int64_t end, const Then& then) {
+void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q, float* s,
+                   const Then& then) {
   const auto& kernel = typed<T>(kernels);
   const auto* x = static_cast<const T*>(input.data_ptr());
   const int64_t in_features = input.size(1), blocks = (in_features + block_inputs - 1) / block_inputs;
   const int64_t padded = blocks * block_inputs;
-  for (int64_t r = begin; r < end; ++r) {
-    kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
-    then(r);
-  }
-}
-
-// quantize_row_range over all of input's rows, split over the threads.
-template <class T, class Then>
-void quantize_rows(const cpu::Int8Kernels& kernels, const at::Tensor& input, int64_t block_inputs, int8_t* q, float* s,
-                   const Then& then) {
   at::parallel_for(0, input.size(0), 16, [&](int64_t begin, int64_t end) {
-    quantize_row_range<T>(kernels, input, block_inputs, q, s, begin, end, then);
+    for (int64_t r = begin; r < end; ++r) {
+      kernel.quantize_row(x + r * input.stride(0), in_features, block_inputs, q + r * padded, s + r * blocks);
+      then(r);
+    }
   });
 }
 
@@ -280,15 +272,13 @@ class CallInputs {
 
   // The staging the calling thread reads: where each thread stages its own, quantized now
   // into the thread's buffer (call once per thread and call).
+  // Called inside the call's parallel region, where quantize_and_stage's parallel_for runs
+  // on the calling thread alone (ATen runs nested parallel_for serially).
   template <class T>
   StagedInputs for_thread() const {
     if (input_ == nullptr) return staged_;
-    const int64_t rows = input_->size(0), blocks = (input_->size(1) + block_inputs_ - 1) / block_inputs_;
     at::Tensor unused;  // the staging fits the thread's buffer (stages_per_thread)
-    const Staging staging(rows, blocks, block_inputs_, weight_offset_, unused);
-    quantize_row_range<T>(*kernels_, *input_, block_inputs_, staging.values, staging.scales, 0, rows,
-                          [&](int64_t r) { staging.stage_row(r, staging.values + r * blocks * block_inputs_); });
-    return staging.inputs(staging.values, staging.scales);
+    return quantize_and_stage<T>(*kernels_, *input_, block_inputs_, weight_offset_, unused);
   }
 
  private:
